@@ -1,0 +1,48 @@
+"""The ``kit`` command line: one sub-command per room (``kit demo``, ``kit dht``, ...).
+
+Each room that has a command exposes ``add_command(subparsers)``, registering its parser with a
+``handler(args) -> int``; this module only collects them, so ``kit --help`` is the index.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+# Modules that register sub-commands, in the order ``kit --help`` lists them.
+COMMAND_MODULES = (
+    "kit.p2p.demo",
+    # kit-cli-modules (rooms add their module above this line)
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kit", description="Train one model together over the Internet."
+    )
+    parser.add_argument("--log-level", default="INFO", help="logging level (DEBUG, INFO, ...)")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module_name in COMMAND_MODULES:
+        importlib.import_module(module_name).add_command(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return int(args.handler(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""Peer addresses: multiaddr-style strings (hivemind's ``get_visible_maddrs()`` shape) and URLs.
+
+Accepted forms::
+
+    /ip4/203.0.113.7/tcp/31337/ws/p2p/<peer id>          direct, plain websocket
+    /dns/coord.example.org/tcp/443/wss/p2p/<peer id>     direct, TLS (e.g. behind a reverse proxy)
+    /dns/example.org/tcp/443/wss/http-path/kit/p2p/<id>  with a URL path (proxy location)
+    <relay address>/p2p-circuit/p2p/<peer id>            through a relay (client-mode peers)
+    /ip4/1.2.3.4/tcp/31337/p2p/<id>                      hivemind form without /ws (ws assumed)
+    ws://host:port  or  wss://host:port/path             URLs; the peer id is learned at dial time
+
+The peer id part is optional when dialing: the handshake tells who answered, and when it is
+given, a different answer is refused (a stale address never silently reaches another peer).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import urllib.parse
+from dataclasses import dataclass
+
+from kit.p2p.identity import PeerID
+
+
+class AddressError(ValueError):
+    """An address string that kit cannot parse (a usage error: the message shows valid forms)."""
+
+
+@dataclass(frozen=True)
+class Address:
+    host: str
+    port: int
+    secure: bool = False  # wss:// (TLS) instead of ws://
+    path: str = "/"  # URL path, for peers behind a reverse proxy
+    peer_id: PeerID | None = None
+    relay: Address | None = None  # set for relayed addresses: ``self`` is reached via ``relay``
+
+    @property
+    def url(self) -> str:
+        """The websocket URL to dial (of the relay, for a relayed address)."""
+        if self.relay is not None:
+            return self.relay.url
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{'wss' if self.secure else 'ws'}://{host}:{self.port}{self.path}"
+
+    def with_peer_id(self, peer_id: PeerID) -> Address:
+        return Address(self.host, self.port, self.secure, self.path, peer_id, self.relay)
+
+    def relayed_to(self, peer_id: PeerID) -> Address:
+        """The address of ``peer_id`` reached through this (relay) address."""
+        if self.peer_id is None:
+            raise AddressError("a relay address needs the relay's peer id")
+        return Address(self.host, self.port, self.secure, self.path, peer_id, self)
+
+    def __str__(self) -> str:
+        if self.relay is not None:
+            return f"{self.relay}/p2p-circuit/p2p/{self.peer_id}"
+        try:
+            protocol = "ip6" if ipaddress.ip_address(self.host).version == 6 else "ip4"
+        except ValueError:
+            protocol = "dns"
+        text = f"/{protocol}/{self.host}/tcp/{self.port}/{'wss' if self.secure else 'ws'}"
+        if self.path != "/":
+            text += "/http-path/" + urllib.parse.quote(self.path.lstrip("/"), safe="")
+        if self.peer_id is not None:
+            text += f"/p2p/{self.peer_id}"
+        return text
+
+
+_FORMS = "help: use /ip4/HOST/tcp/PORT/ws/p2p/PEER_ID, /dns/NAME/tcp/443/wss/..., or ws://HOST:PORT"
+
+
+def parse_address(text: str) -> Address:
+    """Parse one address in any accepted form.
+
+    Raises:
+        AddressError: the text is not an address; the message shows the valid forms.
+    """
+    text = str(text).strip()
+    if text.startswith(("ws://", "wss://")):
+        return _parse_url(text)
+    if not text.startswith("/"):
+        raise AddressError(f"{text!r} is not a kit address - {_FORMS}")
+    if "/p2p-circuit" in text:
+        relay_text, _, rest = text.partition("/p2p-circuit")
+        relay = parse_address(relay_text)
+        parts = rest.strip("/").split("/")
+        if len(parts) != 2 or parts[0] != "p2p":
+            raise AddressError(f"{text!r}: a relayed address ends with /p2p-circuit/p2p/PEER_ID")
+        return relay.relayed_to(_peer_id(parts[1], text))
+    parts = text.strip("/").split("/")
+    if len(parts) < 4 or parts[0] not in ("ip4", "ip6", "dns", "dns4", "dns6") or parts[2] != "tcp":
+        raise AddressError(f"{text!r} is not a kit address - {_FORMS}")
+    host, port = parts[1], _port(parts[3], text)
+    secure, path, peer_id = False, "/", None
+    components = parts[4:]
+    while components:
+        key = components.pop(0)
+        if key in ("ws", "wss"):
+            secure = key == "wss"
+        elif key == "tls":  # /tls/ws is libp2p's spelling of wss
+            secure = True
+        elif key == "http-path" and components:
+            path = "/" + urllib.parse.unquote(components.pop(0))
+        elif key == "p2p" and components:
+            peer_id = _peer_id(components.pop(0), text)
+        else:
+            raise AddressError(f"{text!r}: unexpected component {key!r} - {_FORMS}")
+    return Address(host, port, secure, path, peer_id)
+
+
+def _parse_url(text: str) -> Address:
+    url = urllib.parse.urlsplit(text)
+    if not url.hostname:
+        raise AddressError(f"{text!r} has no host - {_FORMS}")
+    try:
+        port = url.port or (443 if url.scheme == "wss" else 80)
+    except ValueError:
+        raise AddressError(f"{text!r} has an invalid port - {_FORMS}") from None
+    peer_id = _peer_id(url.fragment, text) if url.fragment else None
+    return Address(url.hostname, port, url.scheme == "wss", url.path or "/", peer_id)
+
+
+def _port(text: str, whole: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise AddressError(f"{whole!r}: invalid TCP port {text!r}")
+    return int(text)
+
+
+def _peer_id(text: str, whole: str) -> PeerID:
+    try:
+        return PeerID.from_base58(text)
+    except ValueError:
+        raise AddressError(f"{whole!r}: {text!r} is not a kit peer id") from None

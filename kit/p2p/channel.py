@@ -1,0 +1,193 @@
+"""Channels (what a connection runs over) and the async handshake driver.
+
+Two kinds of channel carry kit frames: a websocket (``WebSocketChannel``, the only place kit
+touches ``websockets``) and a stream relayed through a third peer (``kit.p2p.relay``). The
+handshake driver below runs the pure cores of ``kit.p2p.handshake`` over either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from typing import Protocol
+
+from websockets.asyncio.connection import Connection as WebSocket
+from websockets.exceptions import ConnectionClosed
+
+from kit.errors import (
+    AuthError,
+    BadSignature,
+    ConnectionLost,
+    HandshakeRefused,
+    KitTimeout,
+    RemoteProtocolError,
+)
+from kit.p2p import wire
+from kit.p2p.connection import Channel
+from kit.p2p.handshake import (
+    DialerHandshake,
+    HandshakeSettings,
+    ListenerHandshake,
+    RemoteHello,
+    refusal_frame,
+)
+from kit.p2p.identity import Identity, PeerID
+from kit.p2p.wire import Refusal
+
+logger = logging.getLogger(__name__)
+
+#: websockets' max_size: the largest frame kit sends plus its header, with room to spare.
+#: Anything larger is cut off by websockets itself (close code 1009, "message too big").
+WEBSOCKET_MAX_SIZE = 16 * 1024**2 + 4096
+
+
+class WebSocketChannel:
+    """A websocket connection as a :class:`~kit.p2p.connection.Channel`."""
+
+    def __init__(
+        self, websocket: WebSocket, remote_address: str, remote_host: str | None = None
+    ) -> None:
+        self._websocket = websocket
+        self.remote_address = remote_address
+        self.remote_host = remote_host  # the IP we see the remote side at (accepted connections)
+
+    async def send(self, data: bytes) -> None:
+        try:
+            await self._websocket.send(data)
+        except ConnectionClosed as e:
+            raise ConnectionLost(
+                f"websocket to {self.remote_address} closed: {_describe(e)}"
+            ) from None
+
+    async def recv(self) -> bytes:
+        try:
+            data = await self._websocket.recv(decode=False)
+        except ConnectionClosed as e:
+            raise ConnectionLost(
+                f"websocket to {self.remote_address} closed: {_describe(e)}"
+            ) from None
+        return data
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._websocket.close(), 2.0)
+
+
+def _describe(error: ConnectionClosed) -> str:
+    close = error.rcvd or error.sent
+    if close is None:
+        return "connection lost without a close frame"
+    return f"code {close.code}" + (f" ({close.reason})" if close.reason else "")
+
+
+class Authorizer(Protocol):
+    """Decides who may connect. ``kit.auth`` provides the allowlist authorizer; default: open."""
+
+    async def credentials(self) -> bytes:
+        """What this peer presents in its hello (e.g. a signed access token)."""
+        ...
+
+    async def authorize(self, remote: RemoteHello) -> None:
+        """Raise an AuthError subclass to refuse ``remote`` (its key possession is verified)."""
+        ...
+
+
+class OpenAuthorizer:
+    """Lets every peer of the same run in (public runs)."""
+
+    async def credentials(self) -> bytes:
+        return b""
+
+    async def authorize(self, remote: RemoteHello) -> None:
+        return None
+
+
+async def _recv_frame(channel: Channel, timeout: float) -> wire.Frame:
+    try:
+        data = await asyncio.wait_for(channel.recv(), timeout)
+    except asyncio.TimeoutError:
+        raise KitTimeout(
+            f"handshake with {channel.remote_address}: no answer within {timeout} s"
+        ) from None
+    return wire.decode_frame(data, 0)
+
+
+async def _refuse(channel: Channel, error: HandshakeRefused) -> None:
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(channel.send(refusal_frame(error)), 1.0)
+    await channel.close()
+
+
+async def _authorize(channel: Channel, authorizer: Authorizer, remote: RemoteHello) -> None:
+    try:
+        await authorizer.authorize(remote)
+    except AuthError as e:
+        refusal = HandshakeRefused(Refusal.AUTH.value, f"{remote.peer_id} is not authorized: {e}")
+        await _refuse(channel, refusal)
+        raise refusal from e
+
+
+async def dial_handshake(
+    channel: Channel,
+    identity: Identity,
+    settings: HandshakeSettings,
+    authorizer: Authorizer,
+    *,
+    expected_peer: PeerID | None,
+    timeout: float,
+) -> RemoteHello:
+    """Run the dialer's side of the handshake; returns the verified remote hello."""
+    settings = _with_credentials(settings, await authorizer.credentials())
+    handshake = DialerHandshake(identity, settings, expected_peer)
+    try:
+        await channel.send(handshake.hello())
+        remote, auth = handshake.receive_hello(await _recv_frame(channel, timeout))
+        await _authorize(channel, authorizer, remote)
+        await channel.send(auth)
+        handshake.receive_welcome(await _recv_frame(channel, timeout))
+    except HandshakeRefused as e:
+        if e.reason != Refusal.AUTH.value:
+            await _refuse(channel, e)
+        raise
+    except (RemoteProtocolError, BadSignature) as e:
+        await _refuse(channel, HandshakeRefused(Refusal.PROTOCOL.value, str(e)))
+        raise
+    except BaseException:
+        await channel.close()
+        raise
+    return remote
+
+
+async def accept_handshake(
+    channel: Channel,
+    identity: Identity,
+    settings: HandshakeSettings,
+    authorizer: Authorizer,
+    *,
+    timeout: float,
+) -> RemoteHello:
+    """Run the listener's side of the handshake; returns the verified remote hello."""
+    settings = _with_credentials(settings, await authorizer.credentials())
+    handshake = ListenerHandshake(identity, settings)
+    try:
+        remote, hello = handshake.receive_hello(await _recv_frame(channel, timeout))
+        await _authorize(channel, authorizer, remote)
+        await channel.send(hello)
+        await channel.send(handshake.receive_auth(await _recv_frame(channel, timeout)))
+    except HandshakeRefused as e:
+        if e.reason != Refusal.AUTH.value:
+            await _refuse(channel, e)
+        raise
+    except (RemoteProtocolError, BadSignature) as e:
+        await _refuse(channel, HandshakeRefused(Refusal.PROTOCOL.value, str(e)))
+        raise
+    except BaseException:
+        await channel.close()
+        raise
+    return remote
+
+
+def _with_credentials(settings: HandshakeSettings, credentials: bytes) -> HandshakeSettings:
+    return dataclasses.replace(settings, credentials=credentials)

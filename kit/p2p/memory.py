@@ -1,0 +1,510 @@
+"""In-process peers: :class:`MemoryNetwork` and :class:`MemoryPeer`, which implements ``PeerAPI``.
+
+Tests and dry runs of the DHT and the averaging code use these instead of websockets: every peer
+of one :class:`MemoryNetwork` lives in the same event loop, and a ``call`` or ``open_stream`` runs
+the target peer's handler as an asyncio task owned by that peer. Addresses look like
+``memory://<peer id in base58>``.
+
+What is emulated, because code above p2p depends on it:
+
+* dialing: ``call`` / ``open_stream`` to a peer need an open connection or a known address of it
+  (``add_address`` or ``connect``), as on the real network; a connection opened by either side
+  can be used by both.
+* client mode: a client-mode peer accepts no dials until it has dialed someone itself. After its
+  first outgoing connection it is reachable by everyone, as if that connection held a relay
+  reservation. (This is coarser than real relaying, on purpose.)
+* flow control: a stream is two bounded queues of messages; ``send_message`` waits while the
+  receiver's queue is full.
+* failures: a shut-down peer raises ``PeerUnavailable`` for new calls and ``ConnectionLost`` for
+  calls in flight; a handler's exception reaches the caller as ``RemoteError`` (code = the
+  exception's class name); every wait ends with ``KitTimeout`` after the given timeout.
+* faults: :meth:`MemoryNetwork.link` gives a :class:`FaultyLink` that drops, refuses or delays
+  what is sent to one peer.
+
+What is not emulated: bandwidth, message loss inside a connection, NAT, authentication.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import weakref
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+from kit.errors import (
+    ConfigError,
+    ConnectionLost,
+    FrameTooLarge,
+    IdentityInUse,
+    KitTimeout,
+    KitUsageError,
+    LocalProtocolError,
+    PeerUnavailable,
+    RemoteError,
+    StreamReset,
+    UnknownProtocol,
+)
+from kit.p2p.api import DEFAULT_MAX_MESSAGE, StreamHandler, UnaryHandler
+from kit.p2p.identity import Identity, IdentityLock, PeerID, load_identity
+
+logger = logging.getLogger(__name__)
+
+MEMORY_SCHEME = "memory://"
+#: Addresses remembered per remote peer; older ones are forgotten first.
+MAX_ADDRESSES_PER_PEER = 8
+
+
+def memory_address(peer_id: PeerID) -> str:
+    """The address of a memory peer: ``memory://<peer id in base58>``."""
+    return MEMORY_SCHEME + peer_id.to_base58()
+
+
+def parse_memory_address(address: str) -> PeerID:
+    """The PeerID named by a ``memory://`` address.
+
+    Raises:
+        ConfigError: ``address`` is not a memory address.
+    """
+    if not isinstance(address, str) or not address.startswith(MEMORY_SCHEME):
+        raise ConfigError(
+            f"{address!r} is not an in-memory peer address - help: addresses of MemoryPeer look "
+            "like memory://<peer id>, take them from peer.get_visible_addresses()"
+        )
+    try:
+        return PeerID.from_base58(address[len(MEMORY_SCHEME) :])
+    except ValueError as e:
+        raise ConfigError(f"{e} - help: copy the address from get_visible_addresses()") from None
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else asyncio.get_running_loop().time() + timeout
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - asyncio.get_running_loop().time())
+
+
+def _as_remote_error(exc: BaseException) -> RemoteError:
+    """How a handler's exception looks to the caller (as the real peer reports it)."""
+    if isinstance(exc, RemoteError):
+        return type(exc)(exc.code, exc.message)
+    return RemoteError(type(exc).__name__, str(exc))
+
+
+class FaultyLink:
+    """Faults injected on what is sent *to* one peer: dials, calls and new streams.
+
+    Example::
+
+        with network.link(peer_b.peer_id).drop():
+            await peer_a.call(peer_b.peer_id, "p", b"", timeout=0.1)  # KitTimeout
+    """
+
+    def __init__(self) -> None:
+        self.dropping = False
+        self.refusing = False
+        self.extra_delay = 0.0
+
+    @contextlib.contextmanager
+    def drop(self) -> Iterator[FaultyLink]:
+        """Requests are lost: the sender waits until its timeout (an unresponsive peer)."""
+        self.dropping = True
+        try:
+            yield self
+        finally:
+            self.dropping = False
+
+    @contextlib.contextmanager
+    def refuse(self) -> Iterator[FaultyLink]:
+        """Requests fail at once with ``PeerUnavailable`` (a peer whose port is closed)."""
+        self.refusing = True
+        try:
+            yield self
+        finally:
+            self.refusing = False
+
+    @contextlib.contextmanager
+    def delay(self, seconds: float) -> Iterator[FaultyLink]:
+        """Every request waits ``seconds`` before it reaches the peer (a slow link)."""
+        self.extra_delay += seconds
+        try:
+            yield self
+        finally:
+            self.extra_delay -= seconds
+
+    async def apply(self, peer_id: PeerID, deadline: float | None) -> None:
+        if self.refusing:
+            raise PeerUnavailable(f"peer {peer_id.short()} refused the connection (FaultyLink)")
+        if self.dropping:
+            if deadline is None:
+                raise KitUsageError("a dropped link with no timeout would wait forever")
+            await asyncio.sleep(_remaining(deadline) or 0.0)
+            raise KitTimeout(f"no answer from {peer_id.short()} (dropped by FaultyLink)")
+        if self.extra_delay > 0:
+            remaining = _remaining(deadline)
+            if remaining is not None and remaining < self.extra_delay:
+                await asyncio.sleep(remaining)
+                raise KitTimeout(f"no answer from {peer_id.short()} (delayed by FaultyLink)")
+            await asyncio.sleep(self.extra_delay)
+
+
+class MemoryNetwork:
+    """A set of in-process peers that can dial each other; one per test or dry run.
+
+    Args:
+        stream_window: messages a stream buffers for its receiver before ``send_message`` waits.
+            Increase it to emulate long fat links; 1 makes every send wait for the reader.
+    """
+
+    def __init__(self, *, stream_window: int = 8) -> None:
+        if stream_window < 1:
+            raise ConfigError(f"stream_window must be >= 1, got {stream_window} - help: use 8")
+        self.stream_window = stream_window
+        self._peers: dict[PeerID, MemoryPeer] = {}
+        self._links: dict[PeerID, FaultyLink] = {}
+
+    async def create_peer(
+        self,
+        *,
+        identity: Identity | None = None,
+        identity_path: str | os.PathLike[str] | None = None,
+        client_mode: bool | None = None,
+        host: str | None = None,
+        port: int | None = None,
+        announce: object = None,
+    ) -> MemoryPeer:
+        """Start a peer on this network (a ``peer_factory`` for ``kit.dht.DHT`` and tests).
+
+        ``host``, ``port`` and ``announce`` are accepted so that the same keyword arguments work
+        for the websocket peer, and ignored.
+
+        Raises:
+            IdentityInUse: another running peer uses the same identity (file).
+        """
+        del host, port, announce  # meaningless in memory
+        lock: IdentityLock | None = None
+        if identity is None and identity_path is not None:
+            identity, lock = load_identity(identity_path)
+        elif identity is None:
+            identity = Identity.generate()
+        if identity.peer_id in self._peers:
+            if lock is not None:
+                lock.release()
+            raise IdentityInUse(str(identity_path or identity.peer_id))
+        peer = MemoryPeer(self, identity, client_mode=bool(client_mode), identity_lock=lock)
+        self._peers[peer.peer_id] = peer
+        return peer
+
+    def link(self, peer_id: PeerID) -> FaultyLink:
+        """The fault injector for everything sent to ``peer_id``."""
+        return self._links.setdefault(peer_id, FaultyLink())
+
+    def peers(self) -> list[MemoryPeer]:
+        """The running peers."""
+        return list(self._peers.values())
+
+    def get_peer(self, peer_id: PeerID) -> MemoryPeer | None:
+        return self._peers.get(peer_id)
+
+    def _unregister(self, peer: MemoryPeer) -> None:
+        if self._peers.get(peer.peer_id) is peer:
+            del self._peers[peer.peer_id]
+        for other in self._peers.values():
+            other._connections.discard(peer.peer_id)
+
+
+class _Pipe:
+    """One direction of a stream: a bounded queue of messages plus end-of-stream / error state."""
+
+    def __init__(self, window: int) -> None:
+        self._items: collections.deque[bytes] = collections.deque()
+        self._window = window
+        self._closed = False
+        self._error: BaseException | None = None
+        self._changed = asyncio.Event()
+
+    async def _wait(self, ready: Callable[[], bool], deadline: float | None, what: str) -> None:
+        while not ready():
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), _remaining(deadline))
+            except asyncio.TimeoutError:
+                raise KitTimeout(f"{what} timed out") from None
+
+    async def put(self, data: bytes, deadline: float | None) -> None:
+        if self._closed:
+            raise LocalProtocolError("send_message after close() on this stream")
+        await self._wait(
+            lambda: self._error is not None or len(self._items) < self._window,
+            deadline,
+            "send_message (the receiver is not reading)",
+        )
+        if self._error is not None:
+            raise self._error
+        self._items.append(data)
+        self._changed.set()
+
+    async def get(self, deadline: float | None) -> bytes | None:
+        await self._wait(
+            lambda: self._error is not None or bool(self._items) or self._closed,
+            deadline,
+            "receive_message",
+        )
+        if self._error is not None:
+            raise self._error
+        if self._items:
+            self._changed.set()  # wakes a sender waiting for room
+            return self._items.popleft()
+        return None
+
+    def close(self) -> None:
+        self._closed = True
+        self._changed.set()
+
+    def fail(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error = error
+            self._items.clear()
+        self._changed.set()
+
+
+class MemoryStream:
+    """One end of an in-memory stream (implements ``StreamAPI``)."""
+
+    def __init__(self, remote_peer: PeerID, protocol: str, inbound: _Pipe, outbound: _Pipe) -> None:
+        self.remote_peer = remote_peer
+        self.protocol = protocol
+        self._inbound = inbound
+        self._outbound = outbound
+
+    async def send_message(self, data: bytes | memoryview, *, timeout: float | None = None) -> None:
+        await self._outbound.put(bytes(data), _deadline(timeout))
+
+    async def receive_message(
+        self, *, max_size: int = DEFAULT_MAX_MESSAGE, timeout: float | None = None
+    ) -> bytes | None:
+        message = await self._inbound.get(_deadline(timeout))
+        if message is not None and len(message) > max_size:
+            self.reset("too_large", f"message of {len(message)} bytes > max_size {max_size}")
+            raise FrameTooLarge(f"stream message of {len(message)} bytes > max_size {max_size}")
+        return message
+
+    async def close(self) -> None:
+        self._outbound.close()
+
+    def reset(self, code: str = "cancelled", message: str = "") -> None:
+        self._outbound.fail(StreamReset(code, message))
+        self._inbound.fail(StreamReset(code, message))
+
+    def _fail(self, error: BaseException) -> None:
+        self._outbound.fail(error)
+        self._inbound.fail(error)
+
+
+class MemoryPeer:
+    """An in-process peer of a :class:`MemoryNetwork` (implements ``kit.p2p.api.PeerAPI``).
+
+    Create it with :meth:`MemoryNetwork.create_peer`; stop it with :meth:`shutdown`.
+    ``stats`` counts the calls and streams this peer served, per protocol (for tests).
+    """
+
+    def __init__(
+        self,
+        network: MemoryNetwork,
+        identity: Identity,
+        *,
+        client_mode: bool,
+        identity_lock: IdentityLock | None = None,
+    ) -> None:
+        self.peer_id: PeerID = identity.peer_id
+        self.identity = identity
+        self.stats: collections.Counter[str] = collections.Counter()
+        self._network = network
+        self._client_mode = client_mode
+        self._identity_lock = identity_lock
+        self._running = True
+        self._dialed_out = False
+        self._connections: set[PeerID] = set()
+        self._addresses: dict[PeerID, list[str]] = {}
+        self._unary: dict[str, tuple[UnaryHandler, int]] = {}
+        self._streaming: dict[str, StreamHandler] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._streams: weakref.WeakSet[MemoryStream] = weakref.WeakSet()
+
+    def __repr__(self) -> str:
+        mode = "client" if self._client_mode else "public"
+        return f"MemoryPeer({self.peer_id.short()}, {mode}, running={self._running})"
+
+    @property
+    def client_mode(self) -> bool:
+        return self._client_mode
+
+    @property
+    def is_running(self) -> bool:
+        return self._running
+
+    def get_visible_addresses(self) -> list[str]:
+        if not self._running or (self._client_mode and not self._dialed_out):
+            return []
+        return [memory_address(self.peer_id)]
+
+    def add_address(self, peer_id: PeerID, address: str) -> None:
+        known = self._addresses.setdefault(peer_id, [])
+        if address in known:
+            known.remove(address)
+        known.append(address)
+        del known[:-MAX_ADDRESSES_PER_PEER]
+
+    def add_unary_handler(
+        self, protocol: str, handler: UnaryHandler, *, max_request: int = DEFAULT_MAX_MESSAGE
+    ) -> None:
+        self._unary[protocol] = (handler, max_request)
+
+    def add_stream_handler(self, protocol: str, handler: StreamHandler) -> None:
+        self._streaming[protocol] = handler
+
+    async def connect(self, address: str, *, timeout: float) -> PeerID:
+        peer_id = parse_memory_address(address)
+        self.add_address(peer_id, address)
+        await self._dial(peer_id, _deadline(timeout))
+        return peer_id
+
+    async def call(
+        self,
+        peer_id: PeerID,
+        protocol: str,
+        request: bytes,
+        *,
+        timeout: float,
+        max_response: int = DEFAULT_MAX_MESSAGE,
+    ) -> bytes:
+        deadline = _deadline(timeout)
+        target = await self._dial(peer_id, deadline)
+        entry = target._unary.get(protocol)
+        if entry is None:
+            raise UnknownProtocol("UnknownProtocol", f"{peer_id.short()} serves no {protocol!r}")
+        handler, max_request = entry
+        if len(request) > max_request:
+            raise RemoteError(
+                "FrameTooLarge", f"request of {len(request)} bytes > max_request {max_request}"
+            )
+        target.stats[protocol] += 1
+        task = target._spawn(handler(self.peer_id, bytes(request)))
+        try:
+            done, _ = await asyncio.wait({task}, timeout=_remaining(deadline))
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        if not done:
+            task.cancel()
+            raise KitTimeout(f"{protocol!r} call to {peer_id.short()} timed out after {timeout} s")
+        if task.cancelled():
+            raise ConnectionLost(f"{peer_id.short()} shut down while serving {protocol!r}")
+        error = task.exception()
+        if error is not None:
+            raise _as_remote_error(error)
+        response = task.result()
+        if not isinstance(response, bytes | bytearray | memoryview):
+            raise RemoteError("LocalProtocolError", f"handler returned {type(response).__name__}")
+        if len(response) > max_response:
+            raise FrameTooLarge(f"response of {len(response)} bytes > max_response {max_response}")
+        return bytes(response)
+
+    async def open_stream(self, peer_id: PeerID, protocol: str, *, timeout: float) -> MemoryStream:
+        target = await self._dial(peer_id, _deadline(timeout))
+        handler = target._streaming.get(protocol)
+        if handler is None:
+            raise UnknownProtocol("UnknownProtocol", f"{peer_id.short()} serves no {protocol!r}")
+        window = self._network.stream_window
+        to_target, to_self = _Pipe(window), _Pipe(window)
+        ours = MemoryStream(peer_id, protocol, inbound=to_self, outbound=to_target)
+        theirs = MemoryStream(self.peer_id, protocol, inbound=to_target, outbound=to_self)
+        self._streams.add(ours)
+        target._streams.add(theirs)
+        target.stats[protocol] += 1
+        target._spawn(_serve_stream(handler, theirs))
+        return ours
+
+    async def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop serving: calls to this peer fail, streams break, handler tasks are cancelled."""
+        if not self._running:
+            return
+        self._running = False
+        self._network._unregister(self)
+        self._connections.clear()
+        for stream in list(self._streams):
+            stream._fail(ConnectionLost(f"peer {self.peer_id.short()} shut down"))
+        current = asyncio.current_task()
+        tasks = [task for task in self._tasks if task is not current]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout)
+        if self._identity_lock is not None:
+            self._identity_lock.release()
+            self._identity_lock = None
+
+    # --- internals --------------------------------------------------------------------------
+
+    def _spawn(self, work: Awaitable[Any]) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(_await(work))
+        self._tasks.add(task)
+        task.add_done_callback(self._forget_task)
+        return task
+
+    def _forget_task(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved here; the caller re-raises it as RemoteError
+
+    def _reachable(self) -> bool:
+        return self._running and (not self._client_mode or self._dialed_out)
+
+    async def _dial(self, peer_id: PeerID, deadline: float | None) -> MemoryPeer:
+        if not self._running:
+            raise KitUsageError(
+                f"peer {self.peer_id.short()} was shut down - help: create a new peer"
+            )
+        if peer_id == self.peer_id:
+            raise KitUsageError("a peer cannot dial itself - help: handle local requests locally")
+        target = self._network.get_peer(peer_id)
+        if peer_id not in self._connections:
+            addresses = self._addresses.get(peer_id, [])
+            if memory_address(peer_id) not in addresses:
+                raise PeerUnavailable(
+                    f"no known address of {peer_id.short()} - help: add_address() or connect() first"
+                )
+            if target is None:
+                raise PeerUnavailable(f"peer {peer_id.short()} is not running")
+            if not target._reachable():
+                raise PeerUnavailable(f"peer {peer_id.short()} is in client mode (not dialable)")
+        elif target is None:  # pragma: no cover - connections are dropped on shutdown
+            raise PeerUnavailable(f"peer {peer_id.short()} is not running")
+        await self._network.link(peer_id).apply(peer_id, deadline)
+        if not target._running:
+            raise ConnectionLost(f"peer {peer_id.short()} shut down while being dialed")
+        self._connections.add(peer_id)
+        target._connections.add(self.peer_id)
+        self._dialed_out = True
+        return target
+
+
+async def _await(work: Awaitable[Any]) -> Any:
+    return await work
+
+
+async def _serve_stream(handler: StreamHandler, stream: MemoryStream) -> None:
+    try:
+        await handler(stream)
+    except asyncio.CancelledError:
+        stream._fail(ConnectionLost("the serving peer shut down"))
+        raise
+    except Exception as e:  # the handler failed: the remote side learns it as RemoteError
+        stream._fail(_as_remote_error(e))
+        logger.debug("stream handler for %r failed", stream.protocol, exc_info=True)
+    else:
+        await stream.close()

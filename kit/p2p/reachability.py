@@ -1,0 +1,93 @@
+"""Reachability: ask a public peer to dial us back, to decide between public and client mode.
+
+A peer started with ``client_mode=None`` listens, connects to an initial peer and asks it to dial
+the listening port back. The helper dials only the IP address it sees the request coming from
+(never an address the requester names), so the protocol cannot be used to make a peer connect
+to third parties. The probe runs a real handshake that must be answered with the requester's
+own key, then hangs up (the requester does not keep the probe connection).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kit.errors import HandshakeRefused, KitTimeout, PeerError, PeerUnavailable
+from kit.p2p import wire
+from kit.p2p.address import Address, AddressError, parse_address
+from kit.p2p.channel import dial_handshake
+from kit.p2p.identity import PeerID
+
+if TYPE_CHECKING:
+    from kit.p2p.peer import Peer
+
+logger = logging.getLogger(__name__)
+
+DIALBACK = "kit/dialback/1"
+PROBE_TIMEOUT = 5.0
+
+
+def serve_dialback(peer: Peer) -> None:
+    async def handle(caller: PeerID, request: bytes) -> bytes:
+        body = wire.decode_map(request, "dial-back request", {"port": int})
+        connection = peer.connection(caller)
+        host = getattr(connection.channel, "remote_host", None) if connection is not None else None
+        if host is None or not 0 < body["port"] < 65536:
+            return wire.packb({"reachable": False, "observed": None})
+        reachable = await _probe(peer, Address(host, body["port"], False, "/", caller))
+        return wire.packb({"reachable": reachable, "observed": host})
+
+    peer.add_unary_handler(DIALBACK, handle, max_request=1024)
+
+
+async def _probe(peer: Peer, address: Address) -> bool:
+    try:
+        channel = await peer._open_websocket(address, PROBE_TIMEOUT)
+        await dial_handshake(
+            channel,
+            peer.identity,
+            peer._handshake_settings(probe=True),
+            peer.authorizer,
+            expected_peer=address.peer_id,
+            timeout=PROBE_TIMEOUT,
+        )
+    except (PeerError, KitTimeout, OSError) as e:
+        logger.debug("dial-back to %s failed: %s", address, e)
+        return False
+    await channel.close()
+    return True
+
+
+async def check_reachable(peer: Peer, initial_peers: Sequence[str]) -> bool:
+    """True if some initial peer could dial this peer's listening port back.
+
+    Raises:
+        PeerUnavailable: no initial peer answered at all (so neither mode can work).
+    """
+    port = peer.listen_port
+    if port is None:
+        return False
+    answered = False
+    for text in initial_peers:
+        try:
+            helper = await peer.connect(parse_address(text), timeout=peer.options.dial_timeout)
+            response = await peer.call(
+                helper, DIALBACK, wire.packb({"port": port}), timeout=2 * PROBE_TIMEOUT
+            )
+            body = wire.decode_map(response, "dial-back response", {"reachable": bool})
+        except (PeerError, KitTimeout, AddressError, asyncio.TimeoutError) as e:
+            if isinstance(e, HandshakeRefused):
+                raise
+            logger.debug("dial-back via %s failed: %s", text, e)
+            continue
+        answered = True
+        if body["reachable"]:
+            return True
+    if not answered:
+        raise PeerUnavailable(
+            f"none of the initial peers answered ({', '.join(initial_peers)}) - help: check the "
+            "addresses the organizer published and your network connection"
+        )
+    return False
