@@ -122,22 +122,30 @@ class Stream:
             if end_message:
                 return parts[0].tobytes() if len(parts) == 1 else b"".join(parts)
 
-    async def receive_into(self, buffer: memoryview, *, timeout: float | None = None) -> None:
-        """Receive exactly one message of ``len(buffer)`` bytes straight into ``buffer`` (one copy)."""
+    async def receive_message_into(
+        self, buffer: memoryview, *, timeout: float | None = None
+    ) -> int | None:
+        """Receive one message straight into ``buffer`` (no intermediate copy); returns its size.
+
+        Returns ``None`` if the remote side closed the stream instead. A message longer than
+        ``buffer`` resets the stream and raises FrameTooLarge.
+        """
         offset = 0
         while True:
             chunk, end_message = await self._next_chunk(timeout)
             if chunk is None:
-                raise self._fail_remote("stream ended before the expected message")
+                if offset:
+                    raise self._fail_remote("stream ended in the middle of a message")
+                return None
             if offset + len(chunk) > len(buffer):
-                self.reset(ResetCode.PROTOCOL, "message longer than announced")
-                raise self._fail_remote(f"message longer than the announced {len(buffer)} bytes")
+                self.reset(ResetCode.TOO_LARGE, f"message larger than {len(buffer)} bytes")
+                raise FrameTooLarge(
+                    f"{self.protocol}: message larger than the {len(buffer)} bytes expected"
+                )
             buffer[offset : offset + len(chunk)] = chunk
             offset += len(chunk)
             if end_message:
-                if offset != len(buffer):
-                    raise self._fail_remote(f"message of {offset} bytes, {len(buffer)} announced")
-                return
+                return offset
 
     def _fail_remote(self, message: str) -> RemoteProtocolError:
         self.reset(ResetCode.PROTOCOL, message)
@@ -265,6 +273,7 @@ class Connection:
         self._closed = False
         self._close_reason: Exception | None = None
         self._draining = False
+        self.last_activity = asyncio.get_running_loop().time()  # the one clock read, for idle pruning
         self._reader = asyncio.ensure_future(self._read_loop())
         self._writer = asyncio.ensure_future(self._write_loop())
 
@@ -279,6 +288,7 @@ class Connection:
     async def open_stream(self, protocol: str) -> Stream:
         if self._closed or self._draining:
             raise ConnectionLost(f"connection to {self.remote_peer.short()} is closing")
+        self.last_activity = asyncio.get_running_loop().time()
         stream_id, frame = self.mux.open_stream(protocol)
         stream = Stream(self, stream_id, protocol)
         self._streams[stream_id] = stream
@@ -312,6 +322,11 @@ class Connection:
         await asyncio.wait(tasks, timeout=timeout)
 
     # --- internals -----------------------------------------------------------------------
+
+    @property
+    def idle(self) -> bool:
+        """True when no stream is open on this connection."""
+        return not self._streams and not self._handler_tasks
 
     def _enqueue(self, frame: bytes) -> None:
         if self._closed:
@@ -367,9 +382,11 @@ class Connection:
 
     async def _read_loop(self) -> None:
         max_frame = self.mux.limits.max_frame
+        loop = asyncio.get_running_loop()
         try:
             while True:
                 data = await self.channel.recv()
+                self.last_activity = loop.time()
                 frame = wire.decode_frame(data, max_frame)
                 for event in self.mux.receive(frame):
                     self._dispatch(event)

@@ -100,8 +100,10 @@ def _parse_hello(
 ) -> RemoteHello:
     body = wire.decode_map(payload, what, _HELLO_SCHEMA)
     if body["v"] != wire.PROTOCOL_VERSION:
-        local, remote = ("listening", "dialing") if what.startswith("dialer") else ("dialing", "listening")
-        older = local if wire.PROTOCOL_VERSION < body["v"] else remote
+        local, remote = (
+            ("listening", "dialing") if what.startswith("dialer") else ("dialing", "listening")
+        )
+        older = local if body["v"] > wire.PROTOCOL_VERSION else remote
         raise HandshakeRefused(
             Refusal.VERSION.value,
             f"kit protocol mismatch: the {local} peer speaks version {wire.PROTOCOL_VERSION}, the "

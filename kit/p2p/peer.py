@@ -97,6 +97,7 @@ class PeerOptions:
     )
     keepalive_timeout: float = 20.0
     request_timeout: float = 30.0  # how long a unary handler may wait for the caller's request
+    idle_timeout: float = 300.0  # close connections without streams for this long (0 = never)
 
 
 class Peer:
@@ -129,6 +130,8 @@ class Peer:
         if self.options.relay_service:
             self.relay_service = relay.RelayService(self, self.options.relay_limits)
         reachability.serve_dialback(self)
+        if self.options.idle_timeout > 0:
+            self.spawn(self._close_idle_connections(), "idle-pruning")
         if not self._client_mode:
             await self._listen()
         if self.options.client_mode is None and initial_peers:
@@ -499,6 +502,18 @@ class Peer:
             stream.reset(ResetCode.HANDLER_ERROR, f"{type(e).__name__}: {e}")
         else:
             await stream.close()
+
+    async def _close_idle_connections(self) -> None:
+        # Connections cost a socket and two tasks each; a DHT touches many peers once.
+        # Relay registrations hold a stream open, so they are never idle.
+        timeout = self.options.idle_timeout
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(min(timeout / 4, 30.0))
+            now = loop.time()
+            for connection in list(self._connections.values()):
+                if connection.idle and now - connection.last_activity > timeout:
+                    connection.close(Refusal.IDLE, f"no streams for {timeout:.0f} s")
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         """Run a background task owned by this peer (cancelled at shutdown)."""

@@ -130,12 +130,17 @@ async def receive_tensor(
     buffer = bytearray(header.nbytes)
     view = memoryview(buffer)
     received = 0
+    receive_into = getattr(stream, "receive_message_into", None)  # kit.p2p streams: no extra copy
     while received < header.nbytes:
-        chunk = await stream.receive_message(
-            max_size=min(header.nbytes - received, 16 * 1024**2), timeout=timeout
-        )
-        if chunk is None:
+        size: int | None
+        if receive_into is not None:
+            size = await receive_into(view[received:], timeout=timeout)
+        else:
+            chunk = await stream.receive_message(max_size=header.nbytes - received, timeout=timeout)
+            size = None if chunk is None else len(chunk)
+            if chunk is not None:
+                view[received : received + len(chunk)] = chunk
+        if size is None:
             raise RemoteProtocolError(f"tensor ended after {received} of {header.nbytes} bytes")
-        view[received : received + len(chunk)] = chunk
-        received += len(chunk)
+        received += size
     return header, buffer

@@ -398,3 +398,15 @@ async def test_simultaneous_dials_keep_one_connection() -> None:
             assert a.connection(b2.peer_id).is_dialer != b2.connection(a.peer_id).is_dialer  # type: ignore[union-attr]
         finally:
             await b2.shutdown()
+
+
+async def test_idle_connections_are_closed_and_redialed() -> None:
+    async with peers(2, idle_timeout=0.3) as (a, b):
+        a.add_unary_handler("echo", echo)
+        await b.call(a.peer_id, "echo", b"", timeout=5)
+        first = b.connection(a.peer_id)
+        deadline = time.monotonic() + 5
+        while b.connection(a.peer_id) is not None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert b.connection(a.peer_id) is None and first is not None and first.closed
+        assert await b.call(a.peer_id, "echo", b"again", timeout=5)  # redialed from the address book
