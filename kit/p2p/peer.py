@@ -27,6 +27,7 @@ from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import websockets
 import websockets.asyncio.client
 import websockets.asyncio.server
 from websockets.exceptions import InvalidHandshake, InvalidURI
@@ -59,6 +60,9 @@ from kit.p2p.wire import Refusal, ResetCode
 
 logger = logging.getLogger(__name__)
 
+_WEBSOCKETS_VERSION = tuple(
+    int(part) for part in websockets.__version__.split(".")[:2] if part.isdigit()
+)
 MAX_ADDRESSES_PER_PEER = 8
 MAX_ADDRESS_BOOK = 10_000
 RELAY_FRAME_MARGIN = 64
@@ -383,9 +387,10 @@ class Peer:
                 ping_interval=self.options.keepalive_interval,
                 ping_timeout=self.options.keepalive_timeout,
                 ssl=ssl_context,
-                proxy=None,
+                **_proxy_options(address),
             )
-        except (OSError, InvalidHandshake, InvalidURI, asyncio.TimeoutError) as e:
+        except (OSError, EOFError, InvalidHandshake, InvalidURI, asyncio.TimeoutError) as e:
+            # (websockets 13 lets EOFError out when the remote side hangs up mid-upgrade.)
             raise PeerUnavailable(
                 f"cannot open a websocket to {address.url}: {type(e).__name__}: {e}"
             ) from None
@@ -527,6 +532,14 @@ class Peer:
     def __repr__(self) -> str:
         mode = "client" if self._client_mode else "public"
         return f"<Peer {self.peer_id.short()} {mode} {len(self._connections)} connections>"
+
+
+def _proxy_options(address: Address) -> dict[str, Any]:
+    """websockets >= 15 dials through the HTTP(S) proxy of the environment, as volunteers behind
+    proxies need; never for loopback addresses. Older websockets (13, 14) have no proxy support."""
+    if _WEBSOCKETS_VERSION < (15,):
+        return {}
+    return {"proxy": None} if address.host in ("127.0.0.1", "::1", "localhost") else {}
 
 
 def _consume_exception(future: asyncio.Future[Any]) -> None:

@@ -299,7 +299,10 @@ class RelayClient:
                 await asyncio.wait_for(self._changed.wait(), self.retry_interval)
             self._changed.clear()
             if len(self._registrations) < self.wanted:
-                await self._register_missing()
+                try:
+                    await self._register_missing()
+                except Exception:  # a bug must not end failover for good: log it and go on
+                    logger.exception("registering with relays failed")
 
     async def _register_missing(self) -> None:
         timeout = self.peer.options.dial_timeout
