@@ -273,7 +273,9 @@ class Connection:
         self._closed = False
         self._close_reason: Exception | None = None
         self._draining = False
-        self.last_activity = asyncio.get_running_loop().time()  # the one clock read, for idle pruning
+        self.last_activity = (
+            asyncio.get_running_loop().time()
+        )  # the one clock read, for idle pruning
         self._reader = asyncio.ensure_future(self._read_loop())
         self._writer = asyncio.ensure_future(self._write_loop())
 

@@ -16,8 +16,9 @@ What is emulated, because code above p2p depends on it:
 * flow control: a stream is two bounded queues of messages; ``send_message`` waits while the
   receiver's queue is full.
 * failures: a shut-down peer raises ``PeerUnavailable`` for new calls and ``ConnectionLost`` for
-  calls in flight; a handler's exception reaches the caller as ``RemoteError`` (code = the
-  exception's class name); every wait ends with ``KitTimeout`` after the given timeout.
+  calls in flight; a handler's exception reaches the caller as ``RemoteError("handler_error",
+  "<class name>: <message>")``, as with the websocket peer; every wait ends with ``KitTimeout``
+  after the given timeout.
 * faults: :meth:`MemoryNetwork.link` gives a :class:`FaultyLink` that drops, refuses or delays
   what is sent to one peer.
 
@@ -32,7 +33,7 @@ import contextlib
 import logging
 import os
 import weakref
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 from kit.errors import (
@@ -88,11 +89,14 @@ def _remaining(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - asyncio.get_running_loop().time())
 
 
+#: Codes of the ``RemoteError`` a caller gets, as ``kit.p2p.peer`` reports them.
+HANDLER_ERROR = "handler_error"
+UNKNOWN_PROTOCOL = "unknown_protocol"
+
+
 def _as_remote_error(exc: BaseException) -> RemoteError:
     """How a handler's exception looks to the caller (as the real peer reports it)."""
-    if isinstance(exc, RemoteError):
-        return type(exc)(exc.code, exc.message)
-    return RemoteError(type(exc).__name__, str(exc))
+    return RemoteError(HANDLER_ERROR, f"{type(exc).__name__}: {exc}")
 
 
 class FaultyLink:
@@ -169,23 +173,23 @@ class MemoryNetwork:
 
     async def create_peer(
         self,
+        initial_peers: Sequence[str] = (),
         *,
         identity: Identity | None = None,
         identity_path: str | os.PathLike[str] | None = None,
         client_mode: bool | None = None,
-        host: str | None = None,
-        port: int | None = None,
-        announce: object = None,
+        **options: object,
     ) -> MemoryPeer:
-        """Start a peer on this network (a ``peer_factory`` for ``kit.dht.DHT`` and tests).
+        """Start a peer on this network, with ``kit.p2p.peer.create_peer``'s signature.
 
-        ``host``, ``port`` and ``announce`` are accepted so that the same keyword arguments work
-        for the websocket peer, and ignored.
+        It is a ``peer_factory`` for ``kit.dht.DHT`` and tests. ``initial_peers`` and the
+        websocket options (``host``, ``port``, ``announce``, ``run_id``, ...) are accepted and
+        ignored; ``client_mode=None`` means False (nothing to detect in memory).
 
         Raises:
             IdentityInUse: another running peer uses the same identity (file).
         """
-        del host, port, announce  # meaningless in memory
+        del initial_peers, options  # meaningless in memory
         lock: IdentityLock | None = None
         if identity is None and identity_path is not None:
             identity, lock = load_identity(identity_path)
@@ -225,13 +229,22 @@ class _Pipe:
         self._window = window
         self._closed = False
         self._error: BaseException | None = None
-        self._changed = asyncio.Event()
+        # One future per waiter, registered before awaiting, so no wake-up can be lost between
+        # a reader and a writer (an Event cleared by one side could hide the other's signal).
+        self._waiters: list[asyncio.Future[None]] = []
+
+    def _notify(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
     async def _wait(self, ready: Callable[[], bool], deadline: float | None, what: str) -> None:
         while not ready():
-            self._changed.clear()
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
             try:
-                await asyncio.wait_for(self._changed.wait(), _remaining(deadline))
+                await asyncio.wait_for(waiter, _remaining(deadline))
             except asyncio.TimeoutError:
                 raise KitTimeout(f"{what} timed out") from None
 
@@ -246,7 +259,7 @@ class _Pipe:
         if self._error is not None:
             raise self._error
         self._items.append(data)
-        self._changed.set()
+        self._notify()
 
     async def get(self, deadline: float | None) -> bytes | None:
         await self._wait(
@@ -257,19 +270,19 @@ class _Pipe:
         if self._error is not None:
             raise self._error
         if self._items:
-            self._changed.set()  # wakes a sender waiting for room
+            self._notify()  # wakes a sender waiting for room
             return self._items.popleft()
         return None
 
     def close(self) -> None:
         self._closed = True
-        self._changed.set()
+        self._notify()
 
     def fail(self, error: BaseException) -> None:
         if self._error is None:
             self._error = error
             self._items.clear()
-        self._changed.set()
+        self._notify()
 
 
 class MemoryStream:
@@ -353,6 +366,8 @@ class MemoryPeer:
         return [memory_address(self.peer_id)]
 
     def add_address(self, peer_id: PeerID, address: str) -> None:
+        if peer_id == self.peer_id:
+            return
         known = self._addresses.setdefault(peer_id, [])
         if address in known:
             known.remove(address)
@@ -386,12 +401,11 @@ class MemoryPeer:
         target = await self._dial(peer_id, deadline)
         entry = target._unary.get(protocol)
         if entry is None:
-            raise UnknownProtocol("UnknownProtocol", f"{peer_id.short()} serves no {protocol!r}")
+            raise UnknownProtocol(UNKNOWN_PROTOCOL, f"{peer_id.short()} serves no {protocol!r}")
         handler, max_request = entry
-        if len(request) > max_request:
-            raise RemoteError(
-                "FrameTooLarge", f"request of {len(request)} bytes > max_request {max_request}"
-            )
+        if len(request) > max_request:  # the real peer's handler fails to receive it
+            too_large = FrameTooLarge(f"request of {len(request)} bytes > max_size {max_request}")
+            raise _as_remote_error(too_large)
         target.stats[protocol] += 1
         task = target._spawn(handler(self.peer_id, bytes(request)))
         try:
@@ -409,7 +423,7 @@ class MemoryPeer:
             raise _as_remote_error(error)
         response = task.result()
         if not isinstance(response, bytes | bytearray | memoryview):
-            raise RemoteError("LocalProtocolError", f"handler returned {type(response).__name__}")
+            raise _as_remote_error(TypeError(f"handler returned {type(response).__name__}"))
         if len(response) > max_response:
             raise FrameTooLarge(f"response of {len(response)} bytes > max_response {max_response}")
         return bytes(response)
@@ -418,7 +432,7 @@ class MemoryPeer:
         target = await self._dial(peer_id, _deadline(timeout))
         handler = target._streaming.get(protocol)
         if handler is None:
-            raise UnknownProtocol("UnknownProtocol", f"{peer_id.short()} serves no {protocol!r}")
+            raise UnknownProtocol(UNKNOWN_PROTOCOL, f"{peer_id.short()} serves no {protocol!r}")
         window = self._network.stream_window
         to_target, to_self = _Pipe(window), _Pipe(window)
         ours = MemoryStream(peer_id, protocol, inbound=to_self, outbound=to_target)
@@ -451,7 +465,8 @@ class MemoryPeer:
     # --- internals --------------------------------------------------------------------------
 
     def _spawn(self, work: Awaitable[Any]) -> asyncio.Task[Any]:
-        task = asyncio.get_running_loop().create_task(_await(work))
+        coroutine = work if asyncio.iscoroutine(work) else _await(work)
+        task = asyncio.get_running_loop().create_task(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._forget_task)
         return task

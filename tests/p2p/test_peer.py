@@ -260,7 +260,9 @@ async def test_garbage_before_the_handshake() -> None:
         with contextlib.suppress(Exception):  # the peer hangs up in the middle of this send
             await attacker.send(b"x" * (17 * 1024**2))  # beyond websockets' max_size
         await asyncio.wait_for(attacker.wait_closed(), 5)
-        assert attacker.protocol.state is State.CLOSED  # "message too big" (1009), or cut off mid-send
+        assert (
+            attacker.protocol.state is State.CLOSED
+        )  # "message too big" (1009), or cut off mid-send
         assert await b.call(a.peer_id, "echo", b"ok", timeout=5)
 
 
@@ -410,4 +412,6 @@ async def test_idle_connections_are_closed_and_redialed() -> None:
         while b.connection(a.peer_id) is not None and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         assert b.connection(a.peer_id) is None and first is not None and first.closed
-        assert await b.call(a.peer_id, "echo", b"again", timeout=5)  # redialed from the address book
+        assert await b.call(
+            a.peer_id, "echo", b"again", timeout=5
+        )  # redialed from the address book
