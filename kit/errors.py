@@ -295,13 +295,15 @@ class InvalidChunk(RemoteProtocolError):
     """A sender's chunk of an all-reduce part was rejected; ``reason`` names the failed check.
 
     Reasons: ``sender`` (unknown or excluded), ``round``, ``part``, ``order`` (duplicate or gap),
-    ``size``, ``dtype``, ``non_finite``.
+    ``size``, ``dtype``, ``non_finite``. For the last three the chunk is averaged without this
+    sender, and ``completed`` lists the chunks that became complete by that.
     """
 
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: str, message: str, completed: tuple[int, ...] = ()) -> None:
         super().__init__(f"chunk rejected ({reason}): {message}")
         self.reason = reason
         self.message = message
+        self.completed = completed  # chunk indices this rejection completed (PartReducer)
 
 
 class InvalidBandwidth(ConfigError):
@@ -333,3 +335,7 @@ class InvalidText(DataError):
 
 class InvalidShard(DataError):
     """A pre-tokenized shard is corrupt, truncated, or was written with another tokenizer."""
+
+
+class DataSourceUnreachable(DataError, TransientError):
+    """The Hub (or the server holding a data file) could not be reached; a retry may work."""

@@ -1,0 +1,373 @@
+"""Bookkeeping of one butterfly all-reduce round: tensors -> parts -> chunks, and back.
+
+Holds ``PartitionPlan`` (which slice of which tensor each streamed chunk is), ``PartReducer``
+(an aggregator's weighted average of its part, chunk by chunk, with every incoming chunk
+checked), ``PartReport``/``RoundReport`` (exactly which chunks were averaged over which peers)
+and ``apply_averaged`` (the sender side: the average back into the local tensors). It is pure:
+no clocks, no networking, no codecs; the all-reduce drives it and decides deadlines and bans.
+
+The averaged tensors are read as one flat vector (their concatenation, never materialised).
+Peer p aggregates the contiguous range ``part_sizes[p]`` of it (``kit.averaging.balancing``).
+A part streams as chunks that never cross a tensor boundary, so each chunk is compressed with
+its own tensor's codec (as hivemind's ``TensorPartContainer``), and holds at most about
+``part_size_bytes`` on the wire.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import numbers
+from collections.abc import Hashable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from kit.averaging.compression import (
+    CompressionBase,
+    CompressionInfo,
+    TensorDescriptor,
+    TensorRole,
+    is_finite,
+)
+from kit.errors import ConfigError, InvalidChunk, KitUsageError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PART_SIZE_BYTES = 2**19  # hivemind's default: a chunk's size on the wire
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkSpec:
+    """One streamed chunk: a slice of one tensor inside one peer's part."""
+
+    part_index: int  # whose part (the index of the aggregating peer in the group)
+    chunk_index: int  # position in that part's stream
+    tensor_index: int  # which averaged tensor the values come from
+    tensor_offset: int  # first element, in the flattened tensor
+    part_offset: int  # first element, in the part
+    size: int  # number of elements
+
+
+def max_chunk_elements(
+    descriptor: TensorDescriptor,
+    compression: CompressionBase | None = None,
+    part_size_bytes: int = DEFAULT_PART_SIZE_BYTES,
+) -> int:
+    """Elements per chunk of this tensor so a compressed chunk is about ``part_size_bytes``."""
+    ratio = (
+        1.0
+        if compression is None
+        else compression.estimate_compression_ratio(CompressionInfo(None, descriptor))
+    )
+    return max(1, int(part_size_bytes / (descriptor.dtype.itemsize * ratio)))
+
+
+@dataclasses.dataclass(frozen=True)
+class PartitionPlan:
+    """Where every chunk of every part lives in the averaged tensors. Build with ``build``."""
+
+    tensors: tuple[TensorDescriptor, ...]  # the averaged tensors, in order
+    part_sizes: tuple[int, ...]  # elements of the flat vector per peer, in group order
+    parts: tuple[tuple[ChunkSpec, ...], ...]  # the chunks of each part, in streaming order
+
+    @classmethod
+    def build(
+        cls,
+        tensors: Sequence[TensorDescriptor],
+        part_sizes: Sequence[int],
+        chunk_elements: int | Sequence[int],
+    ) -> PartitionPlan:
+        """Cut each part into chunks of at most ``chunk_elements`` (one value or per tensor).
+
+        Raises:
+            ConfigError: part sizes negative or not summing to the tensors' total size, or a
+                chunk limit below 1.
+        """
+        numels = [descriptor.numel() for descriptor in tensors]
+        limits = (
+            [chunk_elements] * len(numels)
+            if isinstance(chunk_elements, int)
+            else list(chunk_elements)
+        )
+        if len(limits) != len(numels) or min(limits, default=1) < 1:
+            raise ConfigError(
+                f"chunk_elements {chunk_elements!r} must be >= 1, one per tensor"
+                " - help: see max_chunk_elements"
+            )
+        if min(part_sizes, default=0) < 0 or sum(part_sizes) != sum(numels):
+            raise ConfigError(
+                f"part sizes {list(part_sizes)} must be >= 0 and sum to {sum(numels)}"
+                " - help: split the tensors' total size with load_balance_peers"
+            )
+        parts, tensor, tensor_start, position = [], 0, 0, 0
+        for part_index, part_size in enumerate(part_sizes):
+            chunks: list[ChunkSpec] = []
+            part_start = position
+            while position < part_start + part_size:
+                while tensor_start + numels[tensor] <= position:  # skip finished (or empty) tensors
+                    tensor_start += numels[tensor]
+                    tensor += 1
+                end = min(
+                    part_start + part_size, tensor_start + numels[tensor], position + limits[tensor]
+                )
+                chunks.append(
+                    ChunkSpec(
+                        part_index,
+                        len(chunks),
+                        tensor,
+                        position - tensor_start,
+                        position - part_start,
+                        end - position,
+                    )
+                )
+                position = end
+            parts.append(tuple(chunks))
+        return cls(tuple(tensors), tuple(part_sizes), tuple(parts))
+
+    @property
+    def total_size(self) -> int:
+        return sum(self.part_sizes)
+
+    def chunk_view(self, tensors: Sequence[torch.Tensor], spec: ChunkSpec) -> torch.Tensor:
+        """The chunk's values as a 1-D view of ``tensors`` (no copy; writes go through)."""
+        return _flat(tensors[spec.tensor_index])[
+            spec.tensor_offset : spec.tensor_offset + spec.size
+        ]
+
+    def iter_part(
+        self, tensors: Sequence[torch.Tensor], part_index: int
+    ) -> Iterator[tuple[ChunkSpec, torch.Tensor]]:
+        """(spec, view) for each chunk of one part, in streaming order."""
+        self.check_tensors(tensors)
+        for spec in self.parts[part_index]:
+            yield spec, self.chunk_view(tensors, spec)
+
+    def compression_info(
+        self, spec: ChunkSpec, role: TensorRole = TensorRole.UNSPECIFIED
+    ) -> CompressionInfo:
+        """The CompressionInfo of a chunk: its whole tensor, keyed by the tensor's index."""
+        descriptor = self.tensors[spec.tensor_index]
+        return CompressionInfo(spec.tensor_index, descriptor, role, spec.chunk_index, spec.size)
+
+    def check_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Raise KitUsageError unless ``tensors`` match the plan's shapes and dtypes."""
+        got = tuple(TensorDescriptor.from_tensor(tensor) for tensor in tensors)
+        if got != self.tensors:
+            raise KitUsageError(
+                f"tensors {got} do not match the plan {self.tensors}"
+                " - help: build the plan from these tensors"
+            )
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    if not tensor.is_contiguous():
+        raise KitUsageError(
+            "averaged tensors must be contiguous"
+            " - help: average tensor.contiguous() and keep using that tensor"
+        )
+    return tensor.view(-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class PartReport:
+    """Which peers each chunk of one part was averaged over."""
+
+    part_index: int  # whose part
+    senders: frozenset[Hashable]  # every peer expected to contribute
+    chunk_peers: tuple[frozenset[Hashable], ...]  # per chunk: the peers it was averaged over
+
+    @classmethod
+    def missing(cls, part_index: int, senders: frozenset[Hashable], n_chunks: int) -> PartReport:
+        """A part that never came back (its aggregator failed): averaged over nobody."""
+        return cls(part_index, senders, (frozenset(),) * n_chunks)
+
+    @property
+    def complete(self) -> bool:
+        """Every chunk was averaged over every sender."""
+        return all(peers == self.senders for peers in self.chunk_peers)
+
+    @property
+    def peers(self) -> frozenset[Hashable]:
+        """The peers that made it into every chunk of the part."""
+        return frozenset.intersection(self.senders, *self.chunk_peers)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundReport:
+    """What one round achieved, part by part."""
+
+    parts: tuple[PartReport, ...]  # one per part, in group order
+
+    @property
+    def is_full(self) -> bool:
+        """Every part got every sender: the result is the exact weighted average."""
+        return all(part.complete for part in self.parts)
+
+
+class PartReducer:
+    """An aggregator's running weighted average of its own part, chunk by chunk.
+
+    Every sender streams the part's chunks in order; ``accept`` checks each chunk and adds
+    ``weight * values`` into a float32 accumulator. A chunk is complete once every sender
+    delivered it, had it rejected, or was excluded; its average is then over the senders that
+    delivered it, with their weights renormalised. ``accept`` and ``exclude`` return the chunks
+    they completed, so the averages can stream back while others are still arriving.
+    """
+
+    def __init__(
+        self,
+        plan: PartitionPlan,
+        part_index: int,
+        senders: Mapping[Any, float],
+        round_id: Hashable,
+    ) -> None:
+        """Args:
+            plan: the round's plan (the same on every peer).
+            part_index: the part this peer aggregates.
+            senders: every peer expected to send this part, with its weight (e.g. samples).
+            round_id: what every chunk of this round carries (e.g. the group id).
+
+        Raises:
+            ConfigError: a weight is not a positive finite number.
+        """
+        for sender, weight in senders.items():
+            if not (
+                isinstance(weight, numbers.Real)
+                and not isinstance(weight, bool)
+                and 0 < weight < math.inf
+            ):
+                raise ConfigError(
+                    f"weight {weight!r} of sender {sender!r} must be positive and finite"
+                    " - help: weigh senders by their number of samples"
+                )
+        self.plan, self.part_index, self.round_id = plan, part_index, round_id
+        self.chunks = plan.parts[part_index]
+        self.weights = dict(senders)
+        self.accumulator = torch.zeros(plan.part_sizes[part_index], dtype=torch.float32)
+        self.weight_sums = [0.0] * len(self.chunks)
+        self.delivered: list[set[Hashable]] = [set() for _ in self.chunks]
+        self.resolved = [0] * len(self.chunks)  # senders delivered, rejected or excluded
+        self.next_chunk = dict.fromkeys(senders, 0)  # per sender: the chunk expected next
+        self.excluded: set[Hashable] = set()
+        self._averaged: set[int] = set()
+
+    def accept(
+        self,
+        sender: Hashable,
+        round_id: Hashable,
+        part_index: int,
+        chunk_index: int,
+        values: torch.Tensor,
+    ) -> tuple[int, ...]:
+        """Add one chunk from ``sender``; return the chunk indices this completed.
+
+        Raises:
+            InvalidChunk: unknown or excluded sender, other round or part, a chunk out of order
+                (nothing changes); or wrong size, dtype, or NaN/inf values (the chunk is
+                dropped for this sender and the round goes on without it).
+        """
+        if sender not in self.next_chunk or sender in self.excluded:
+            raise InvalidChunk(
+                "sender", f"{sender!r} is not an active sender of part {self.part_index}"
+            )
+        if round_id != self.round_id or part_index != self.part_index:
+            raise InvalidChunk(
+                "round" if round_id != self.round_id else "part",
+                f"{sender!r} sent round {round_id!r} part {part_index}, "
+                f"expected round {self.round_id!r} part {self.part_index}",
+            )
+        expected = self.next_chunk[sender]
+        if chunk_index != expected or chunk_index >= len(self.chunks):
+            raise InvalidChunk("order", f"{sender!r} sent chunk {chunk_index}, expected {expected}")
+        self.next_chunk[sender] += 1
+        spec = self.chunks[chunk_index]
+        dtype = self.plan.tensors[spec.tensor_index].dtype
+        where = f"chunk {chunk_index} from {sender!r}"
+        problem = None
+        if not isinstance(values, torch.Tensor) or values.dtype != dtype:
+            problem = ("dtype", f"{where} is {getattr(values, 'dtype', type(values))}, not {dtype}")
+        elif values.dim() != 1 or values.numel() != spec.size:
+            problem = ("size", f"{where} has shape {list(values.shape)}, not [{spec.size}]")
+        elif not is_finite(values):
+            problem = ("non_finite", f"{where} holds NaN or inf")
+        if problem is not None:  # the slot is used up: the chunk is averaged without this sender
+            logger.debug("part %d: dropping %s", self.part_index, problem[1])
+            raise InvalidChunk(*problem, completed=self._resolve(chunk_index))
+        weight = self.weights[sender]
+        self.accumulator[spec.part_offset : spec.part_offset + spec.size].add_(
+            values.to("cpu"), alpha=weight
+        )
+        self.weight_sums[chunk_index] += weight
+        self.delivered[chunk_index].add(sender)
+        return self._resolve(chunk_index)
+
+    def exclude(self, sender: Hashable) -> tuple[int, ...]:
+        """Stop waiting for ``sender`` (too slow, or banned); return the chunks this completed.
+
+        Chunks it already delivered stay in their averages; the rest are averaged without it.
+        """
+        if sender not in self.next_chunk or sender in self.excluded:
+            return ()
+        self.excluded.add(sender)
+        pending = range(self.next_chunk[sender], len(self.chunks))
+        return tuple(index for chunk in pending for index in self._resolve(chunk))
+
+    def finish(self) -> PartReport:
+        """The deadline passed: exclude every sender still owing chunks; report the part."""
+        for sender in list(self.next_chunk):
+            if self.next_chunk[sender] < len(self.chunks):
+                self.exclude(sender)
+        return self.report()
+
+    def _resolve(self, chunk_index: int) -> tuple[int, ...]:
+        self.resolved[chunk_index] += 1
+        return (chunk_index,) if self.resolved[chunk_index] == len(self.weights) else ()
+
+    def is_complete(self, chunk_index: int) -> bool:
+        return self.resolved[chunk_index] == len(self.weights)
+
+    def averaged(self, chunk_index: int) -> torch.Tensor | None:
+        """The weighted average of a complete chunk (float32), or None if nobody delivered it."""
+        if not self.is_complete(chunk_index):
+            raise KitUsageError(
+                f"chunk {chunk_index} is still waiting for senders"
+                " - help: read only the chunks that accept/exclude/finish report complete"
+            )
+        if not self.delivered[chunk_index]:
+            return None
+        spec = self.chunks[chunk_index]
+        view = self.accumulator[spec.part_offset : spec.part_offset + spec.size]
+        if chunk_index not in self._averaged:  # divide once, in place: no copy of the part
+            view.div_(self.weight_sums[chunk_index])
+            self._averaged.add(chunk_index)
+        return view
+
+    def report(self) -> PartReport:
+        """Which senders each chunk was averaged over (so far)."""
+        return PartReport(
+            self.part_index,
+            frozenset(self.weights),
+            tuple(frozenset(peers) for peers in self.delivered),
+        )
+
+
+def apply_averaged(
+    target: torch.Tensor,
+    averaged: torch.Tensor,
+    *,
+    alpha: float = 1.0,
+    sent: torch.Tensor | None = None,
+) -> None:
+    """Write an averaged chunk back into the local chunk ``target`` (a view), in place.
+
+    Without ``sent``: ``target += alpha * (averaged - target)`` (alpha = 1 overwrites exactly).
+    With ``sent`` (what this peer contributed): ``target += alpha * (averaged - sent)``, which
+    keeps local updates made during the round (hivemind's delta rule for averaging_alpha).
+    """
+    averaged = averaged.to(device=target.device, dtype=target.dtype)
+    if sent is None:
+        target.lerp_(averaged, alpha)
+    else:
+        target.add_(averaged - sent.to(device=target.device, dtype=target.dtype), alpha=alpha)

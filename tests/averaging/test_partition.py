@@ -1,0 +1,297 @@
+"""Partition: chunk plans, the aggregator's reducer (exact means, exclusions, rejections), apply."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from kit.averaging import compression as C
+from kit.averaging.balancing import load_balance_peers
+from kit.averaging.compression import TensorDescriptor
+from kit.averaging.partition import (
+    PartitionPlan,
+    PartReducer,
+    PartReport,
+    RoundReport,
+    apply_averaged,
+    max_chunk_elements,
+)
+from kit.errors import ConfigError, InvalidChunk, KitUsageError
+
+ROUND = b"group-1"
+
+
+def tensors_like(seed: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(7, 5), (0,), (3,), (40,), (2, 2, 3)]
+    return [torch.randn(*shape, generator=g).to(dtype) for shape in shapes]
+
+
+def averaged(reducer: PartReducer, chunk_index: int) -> torch.Tensor:
+    result = reducer.averaged(chunk_index)
+    assert result is not None
+    return result
+
+
+def describe(tensors: list[torch.Tensor]) -> list[TensorDescriptor]:
+    return [TensorDescriptor.from_tensor(tensor) for tensor in tensors]
+
+
+def test_plan_covers_every_element_once_within_tensors() -> None:
+    tensors = tensors_like(0)
+    total = sum(t.numel() for t in tensors)  # 35 + 0 + 3 + 40 + 12 = 90
+    plan = PartitionPlan.build(describe(tensors), [30, 0, 45, 15], chunk_elements=[8, 1, 2, 16, 5])
+    covered: list[int] = []
+    for part_index, chunks in enumerate(plan.parts):
+        position = sum(plan.part_sizes[:part_index])
+        assert [spec.chunk_index for spec in chunks] == list(range(len(chunks)))
+        for spec in chunks:
+            numel = tensors[spec.tensor_index].numel()
+            assert spec.tensor_offset + spec.size <= numel  # never crosses a tensor boundary
+            assert spec.size <= [8, 1, 2, 16, 5][spec.tensor_index]
+            start = sum(t.numel() for t in tensors[: spec.tensor_index]) + spec.tensor_offset
+            assert start == position + spec.part_offset
+            covered.extend(range(start, start + spec.size))
+    assert covered == list(range(total)) and plan.parts[1] == () and plan.total_size == total
+
+
+def test_chunk_views_are_zero_copy() -> None:
+    tensors = tensors_like(1)
+    plan = PartitionPlan.build(describe(tensors), [50, 40], chunk_elements=16)
+    for spec, view in plan.iter_part(tensors, 1):
+        view.fill_(spec.part_index + 10.0)
+    assert (tensors[3][-40 + 35 :] == 11.0).all() and (tensors[4] == 11.0).all()
+    info = plan.compression_info(plan.parts[1][0])
+    assert info.descriptor == TensorDescriptor((40,), torch.float32) and info.key == 3
+
+
+def test_plan_errors() -> None:
+    descriptors = describe(tensors_like(0))
+    with pytest.raises(ConfigError, match="help:"):
+        PartitionPlan.build(descriptors, [50, 39], chunk_elements=16)
+    with pytest.raises(ConfigError, match="help:"):
+        PartitionPlan.build(descriptors, [91, -1], chunk_elements=16)
+    with pytest.raises(ConfigError, match="help:"):
+        PartitionPlan.build(descriptors, [90], chunk_elements=0)
+    plan = PartitionPlan.build(descriptors, [90], chunk_elements=16)
+    with pytest.raises(KitUsageError, match="help:"):
+        list(plan.iter_part(tensors_like(0, torch.float16), 0))
+    with pytest.raises(KitUsageError, match="help:"):
+        plan.chunk_view([t.t() if t.dim() == 2 else t for t in tensors_like(0)], plan.parts[0][0])
+
+
+def test_chunk_elements_follow_the_wire_size() -> None:
+    descriptor = TensorDescriptor((10**6,), torch.float32)
+    assert max_chunk_elements(descriptor) == 2**19 // 4
+    assert max_chunk_elements(descriptor, C.Uniform8BitQuantization()) == 2**19
+    assert max_chunk_elements(descriptor, C.Float16Compression(), part_size_bytes=100) == 50
+
+
+def run_part(
+    plan: PartitionPlan,
+    part_index: int,
+    peers: dict[str, list[torch.Tensor]],
+    weights: dict[str, float],
+) -> PartReducer:
+    reducer = PartReducer(plan, part_index, weights, ROUND)
+    for name, tensors in peers.items():
+        for spec, view in plan.iter_part(tensors, part_index):
+            reducer.accept(name, ROUND, part_index, spec.chunk_index, view.clone())
+    return reducer
+
+
+def weighted_mean(
+    peers: dict[str, list[torch.Tensor]], weights: dict[str, float], index: int
+) -> torch.Tensor:
+    stacked = torch.stack([peers[name][index].double() * weights[name] for name in peers])
+    return (stacked.sum(0) / sum(weights[name] for name in peers)).float()
+
+
+@pytest.mark.parametrize("n_senders", [2, 3, 5, 8])
+def test_exact_weighted_mean(n_senders: int) -> None:
+    peers = {f"peer{i}": tensors_like(10 + i) for i in range(n_senders)}
+    weights = {name: float(3 * i + 1) for i, name in enumerate(peers)}
+    plan = PartitionPlan.build(describe(peers["peer0"]), [20, 70], chunk_elements=9)
+    reducer = run_part(plan, 1, peers, weights)
+    chunks = plan.parts[1]
+    assert all(reducer.is_complete(spec.chunk_index) for spec in chunks)
+    result = [t.clone() for t in peers["peer0"]]
+    for spec in chunks:
+        apply_averaged(plan.chunk_view(result, spec), averaged(reducer, spec.chunk_index))
+    for index in (3, 4):  # the tensors part 1 covers entirely
+        assert torch.allclose(
+            result[index], weighted_mean(peers, weights, index), rtol=1e-6, atol=1e-6
+        )
+    report = reducer.report()
+    assert report.complete and report.peers == frozenset(peers)
+    assert RoundReport((report, run_part(plan, 0, peers, weights).report())).is_full
+
+
+def test_excluding_a_sender_midway_renormalises() -> None:
+    peers = {name: tensors_like(seed) for seed, name in enumerate("abc")}
+    weights = {"a": 1.0, "b": 2.0, "c": 5.0}
+    plan = PartitionPlan.build(describe(peers["a"]), [0, 90], chunk_elements=10)
+    reducer = PartReducer(plan, 1, weights, ROUND)
+    chunks = plan.parts[1]
+    for name in "ab":
+        for spec, view in plan.iter_part(peers[name], 1):
+            reducer.accept(name, ROUND, 1, spec.chunk_index, view)
+    for spec in chunks[:2]:
+        done = reducer.accept("c", ROUND, 1, spec.chunk_index, plan.chunk_view(peers["c"], spec))
+        assert done == (spec.chunk_index,)
+    assert not reducer.is_complete(2)
+    assert reducer.exclude("c") == tuple(range(2, len(chunks)))
+    with pytest.raises(InvalidChunk) as rejected:
+        reducer.accept("c", ROUND, 1, 2, plan.chunk_view(peers["c"], chunks[2]))
+    assert rejected.value.reason == "sender"
+    for spec in chunks:
+        senders = "abc" if spec.chunk_index < 2 else "ab"
+        stacked = torch.stack(
+            [weights[s] * plan.chunk_view(peers[s], spec).double() for s in senders]
+        )
+        expected = (stacked.sum(0) / sum(weights[s] for s in senders)).float()
+        assert torch.allclose(averaged(reducer, spec.chunk_index), expected, rtol=1e-6, atol=1e-7)
+    report = reducer.report()
+    assert report.chunk_peers[1] == {"a", "b", "c"} and report.chunk_peers[2] == {"a", "b"}
+    assert not report.complete and report.peers == {"a", "b"}
+    assert not RoundReport((report,)).is_full
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        (lambda v: v[:-1], "size"),
+        (lambda v: v.view(1, -1), "size"),
+        (lambda v: v.double(), "dtype"),
+        (lambda v: v.numpy(), "dtype"),
+        (lambda v: torch.cat([v[:-1], torch.tensor([float("nan")])]), "non_finite"),
+        (lambda v: torch.cat([v[:-1], torch.tensor([float("-inf")])]), "non_finite"),
+    ],
+)
+def test_bad_chunk_content_is_dropped_and_the_round_goes_on(
+    change: Callable[[torch.Tensor], Any], reason: str
+) -> None:
+    peers = {name: tensors_like(seed) for seed, name in enumerate("ab")}
+    plan = PartitionPlan.build(describe(peers["a"]), [90], chunk_elements=30)
+    reducer = PartReducer(plan, 0, {"a": 1.0, "b": 1.0}, ROUND)
+    first = plan.parts[0][0]
+    reducer.accept("a", ROUND, 0, 0, plan.chunk_view(peers["a"], first))
+    with pytest.raises(InvalidChunk) as rejected:
+        reducer.accept("b", ROUND, 0, 0, change(plan.chunk_view(peers["b"], first)))
+    assert rejected.value.reason == reason and rejected.value.completed == (0,)
+    assert torch.equal(averaged(reducer, 0), plan.chunk_view(peers["a"], first))
+    second = plan.parts[0][1]  # the next chunk from "b" is still welcome
+    for name in "ab":
+        reducer.accept(name, ROUND, 0, 1, plan.chunk_view(peers[name], second))
+    assert reducer.report().chunk_peers[:2] == (frozenset("a"), frozenset("ab"))
+
+
+@pytest.mark.parametrize(
+    "sender, round_id, part, chunk, reason",
+    [
+        ("b", b"group-0", 0, 0, "round"),
+        ("b", ROUND, 1, 0, "part"),
+        ("b", ROUND, 0, 1, "order"),  # a gap
+        ("mallory", ROUND, 0, 0, "sender"),
+    ],
+)
+def test_misaddressed_chunks_change_nothing(
+    sender: str, round_id: bytes, part: int, chunk: int, reason: str
+) -> None:
+    tensors = tensors_like(0)
+    plan = PartitionPlan.build(describe(tensors), [90, 0], chunk_elements=30)
+    reducer = PartReducer(plan, 0, {"a": 1.0, "b": 3.0}, ROUND)
+    with pytest.raises(InvalidChunk) as rejected:
+        reducer.accept(
+            sender, round_id, part, chunk, plan.chunk_view(tensors, plan.parts[0][chunk])
+        )
+    assert rejected.value.reason == reason and rejected.value.completed == ()
+    reducer.accept("b", ROUND, 0, 0, plan.chunk_view(tensors, plan.parts[0][0]))  # still expected
+    with pytest.raises(InvalidChunk, match="order"):  # a duplicate
+        reducer.accept("b", ROUND, 0, 0, plan.chunk_view(tensors, plan.parts[0][0]))
+    for spec in plan.parts[0][1:]:
+        reducer.accept("b", ROUND, 0, spec.chunk_index, plan.chunk_view(tensors, spec))
+    with pytest.raises(InvalidChunk, match="order"):  # one past the last chunk
+        reducer.accept("b", ROUND, 0, len(plan.parts[0]), plan.chunk_view(tensors, spec))
+
+
+def test_deadline_and_a_chunk_nobody_sent() -> None:
+    tensors = tensors_like(0)
+    plan = PartitionPlan.build(describe(tensors), [90], chunk_elements=45)
+    reducer = PartReducer(plan, 0, {"a": 1.0, "b": 1.0}, ROUND)
+    reducer.accept("a", ROUND, 0, 0, plan.chunk_view(tensors, plan.parts[0][0]))
+    with pytest.raises(KitUsageError, match="help:"):
+        reducer.averaged(0)
+    report = reducer.finish()
+    assert report.chunk_peers == (frozenset("a"),) + (frozenset(),) * 3  # chunks end at tensors
+    assert not report.complete and reducer.averaged(1) is None and reducer.averaged(0) is not None
+    missing = PartReport.missing(1, frozenset("ab"), 3)
+    assert missing.peers == frozenset() and not missing.complete
+
+
+def test_bad_weights_are_refused() -> None:
+    plan = PartitionPlan.build(describe(tensors_like(0)), [90], chunk_elements=45)
+    for weight in (0.0, -1.0, float("nan"), float("inf"), True):
+        with pytest.raises(ConfigError, match="help:"):
+            PartReducer(plan, 0, {"a": 1.0, "b": weight}, ROUND)  # type: ignore[dict-item]
+
+
+def test_float16_tensors_accumulate_in_float32() -> None:
+    peers = {name: tensors_like(seed, torch.float16) for seed, name in enumerate("abc")}
+    weights = {"a": 1000.0, "b": 1.0, "c": 1.0}
+    plan = PartitionPlan.build(describe(peers["a"]), [90], chunk_elements=64)
+    reducer = run_part(plan, 0, peers, weights)
+    result = averaged(reducer, 0)
+    expected = weighted_mean(peers, weights, 0).reshape(-1)
+    assert result.dtype == torch.float32
+    assert torch.allclose(result[:35], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_apply_overwrite_lerp_and_delta() -> None:
+    target, averaged = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 6.0])
+    apply_averaged(target, averaged)
+    assert torch.equal(target, averaged)
+    target = torch.tensor([1.0, 2.0])
+    apply_averaged(target, averaged, alpha=0.5)
+    assert target.tolist() == [2.0, 4.0]
+    sent = torch.tensor([1.0, 2.0])
+    target = sent + torch.tensor([0.5, 0.5])  # a local step made while the round ran
+    apply_averaged(target, averaged, sent=sent)
+    assert target.tolist() == [3.5, 6.5]  # the local step is kept on top of the average
+    half = torch.tensor([1.0, 2.0], dtype=torch.float16)
+    apply_averaged(half, averaged)
+    assert half.dtype == torch.float16 and half.tolist() == [3.0, 6.0]
+
+
+def test_a_whole_round_between_three_peers_through_the_codecs() -> None:
+    """balancing -> plan -> compress/extract every chunk -> reduce -> apply: all agree."""
+    names = ["a", "b", "c"]
+    peers = {name: tensors_like(20 + i) for i, name in enumerate(names)}
+    weights = {"a": 2.0, "b": 1.0, "c": 1.0}
+    descriptors = describe(peers["a"])
+    sizes = load_balance_peers(sum(d.numel() for d in descriptors), [50.0, 100.0, 0.0])
+    plan = PartitionPlan.build(descriptors, sizes, chunk_elements=16)
+    codec = C.NoCompression()
+    reducers = {name: PartReducer(plan, i, weights, ROUND) for i, name in enumerate(names)}
+    for sender in names:
+        for part, aggregator in enumerate(names):
+            for spec, view in plan.iter_part(peers[sender], part):
+                wire = codec.compress(view, plan.compression_info(spec))
+                received = C.SerializedTensor.from_header(wire.header(), bytes(wire.buffer))
+                reducers[aggregator].accept(
+                    sender, ROUND, part, spec.chunk_index, C.extract(received)
+                )
+    originals = {name: [t.clone() for t in tensors] for name, tensors in peers.items()}
+    for name in names:
+        for part, aggregator in enumerate(names):
+            for spec in plan.parts[part]:
+                result = averaged(reducers[aggregator], spec.chunk_index)
+                apply_averaged(plan.chunk_view(peers[name], spec), result)
+    assert sizes[2] == 0 and RoundReport(tuple(r.report() for r in reducers.values())).is_full
+    for index in range(len(descriptors)):
+        expected = weighted_mean(originals, weights, index)
+        for name in names:
+            assert torch.allclose(peers[name][index], expected, rtol=1e-6, atol=1e-6)
