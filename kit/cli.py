@@ -15,6 +15,9 @@ from collections.abc import Sequence
 # Modules that register sub-commands, in the order ``kit --help`` lists them.
 COMMAND_MODULES = (
     "kit.p2p.demo",
+    "kit.data.cli",
+    "kit.evaluation.command",
+    "kit.dht.cli",
     # kit-cli-modules (rooms add their module above this line)
 )
 

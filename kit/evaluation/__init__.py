@@ -1,0 +1,17 @@
+"""The researcher's evaluation room behind ``notebooks/evaluate.ipynb`` (entry: ``kit.evaluate``).
+
+Map of the package (each module imports only those above it):
+
+    metrics.py      seqeval entity-level F1, accuracy, mean ± std over seeds (pure)
+    checkpoints.py  what a checkpoint is (local folder or Hub repo + revision), the
+                    ``kit_checkpoint.json`` series format, tokenizer/model loading, device choice
+    tasks.py        the two downstream tasks (WikiANN-bn NER, IndicGLUE sna.bn news
+                    classification): dataset loading, schema checks, tokenization
+    finetune.py     the plain torch fine-tuning loop and its frozen ``FinetuneConfig``
+    mlm.py          masked-LM loss / perplexity of a checkpoint on held-out text
+    report.py       the paper-style table, the metric-vs-step plot, JSON/CSV files
+    command.py      ``kit evaluate ...`` (imports the heavy modules only when run)
+
+Importing this package imports nothing heavy; ``torch`` and ``transformers`` load with the
+modules that need them.
+"""
