@@ -20,17 +20,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http
 import logging
 import os
 import ssl
-from collections.abc import Coroutine, Sequence
+import urllib.parse
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import websockets
 import websockets.asyncio.client
 import websockets.asyncio.server
+from websockets.datastructures import Headers
 from websockets.exceptions import InvalidHandshake, InvalidURI
+from websockets.http11 import Response
 
 from kit.errors import (
     HandshakeRefused,
@@ -104,6 +108,27 @@ class PeerOptions:
     idle_timeout: float = 300.0  # close connections without streams for this long (0 = never)
 
 
+@dataclass(frozen=True)
+class HttpRequest:
+    """A plain HTTP GET that reached a peer's listening port (not a websocket upgrade)."""
+
+    path: str
+    query: dict[str, str]
+    headers: dict[str, str]  # lower-case names
+    remote_host: str
+
+
+@dataclass(frozen=True)
+class HttpResponse:
+    status: int = 200
+    body: bytes = b""
+    content_type: str = "application/json"
+    headers: tuple[tuple[str, str], ...] = ()
+
+
+HttpHandler = Callable[[HttpRequest], Awaitable[HttpResponse]]
+
+
 class Peer:
     """A running kit peer. Create it with :func:`create_peer`; stop it with :meth:`shutdown`."""
 
@@ -123,6 +148,7 @@ class Peer:
         self._dials: dict[str, asyncio.Future[PeerID]] = {}
         self._address_book: dict[PeerID, list[Address]] = {}
         self._stream_handlers: dict[str, StreamHandler] = {}
+        self._http_routes: dict[str, HttpHandler] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closing = False
         self.relay_client: relay.RelayClient | None = None  # in client mode
@@ -171,6 +197,7 @@ class Peer:
             ping_interval=self.options.keepalive_interval,
             ping_timeout=self.options.keepalive_timeout,
             ssl=ssl_context,
+            process_request=self._serve_http,
         )
         secure = ssl_context is not None
         for sock in self._server.sockets:
@@ -396,6 +423,41 @@ class Peer:
             ) from None
         return WebSocketChannel(websocket, address.url)
 
+    def add_http_route(self, path: str, handler: HttpHandler) -> None:
+        """Answer plain HTTP GETs of ``path`` on the listening port (the coordinator's API and
+        dashboard share the port, and the TLS certificate, of its websocket endpoint)."""
+        if not path.startswith("/") or path in self._http_routes:
+            raise KitUsageError(f"HTTP route {path!r} must start with / and be registered once")
+        self._http_routes[path] = handler
+
+    async def _serve_http(self, connection: Any, request: Any) -> Any:
+        path, _, query = request.path.partition("?")
+        handler = self._http_routes.get(path)
+        if handler is None:
+            return None  # a websocket upgrade (or websockets' own 426 answer)
+        host = connection.remote_address[0] if connection.remote_address else ""
+        http_request = HttpRequest(
+            path=path,
+            query=dict(urllib.parse.parse_qsl(query)),
+            headers={name.lower(): value for name, value in request.headers.raw_items()},
+            remote_host=host,
+        )
+        try:
+            response = await asyncio.wait_for(handler(http_request), self.options.request_timeout)
+        except Exception as e:
+            logger.warning("HTTP %s failed: %r", path, e)
+            response = HttpResponse(
+                500, f"internal error: {type(e).__name__}".encode(), "text/plain"
+            )
+        headers = Headers(
+            [("Content-Type", response.content_type), ("Content-Length", str(len(response.body)))]
+        )
+        for name, value in response.headers:
+            headers[name] = value
+        return Response(
+            response.status, http.HTTPStatus(response.status).phrase, headers, response.body
+        )
+
     async def _serve_websocket(self, websocket: websockets.asyncio.server.ServerConnection) -> None:
         host, port = websocket.remote_address[:2]
         channel = WebSocketChannel(websocket, f"{host}:{port}", remote_host=host)
@@ -584,4 +646,4 @@ async def create_peer(
     return peer
 
 
-__all__ = ["Peer", "PeerOptions", "create_peer"]
+__all__ = ["HttpRequest", "HttpResponse", "Peer", "PeerOptions", "create_peer"]

@@ -415,3 +415,50 @@ async def test_idle_connections_are_closed_and_redialed() -> None:
         assert await b.call(
             a.peer_id, "echo", b"again", timeout=5
         )  # redialed from the address book
+
+
+async def test_http_routes_share_the_websocket_port() -> None:
+    import json
+    import urllib.error
+    import urllib.request
+
+    from kit.p2p.peer import HttpRequest, HttpResponse
+
+    async with peers(2) as (a, b):
+        a.add_unary_handler("echo", echo)
+
+        async def status(request: HttpRequest) -> HttpResponse:
+            body = {
+                "path": request.path,
+                "who": request.query.get("who"),
+                "auth": request.headers.get("authorization"),
+            }
+            return HttpResponse(200, json.dumps(body).encode())
+
+        async def broken(request: HttpRequest) -> HttpResponse:
+            raise RuntimeError("boom")
+
+        a.add_http_route("/api/status", status)
+        a.add_http_route("/api/broken", broken)
+        base = f"http://127.0.0.1:{a.listen_port}"
+
+        def get(path: str) -> tuple[int, bytes]:
+            request = urllib.request.Request(base + path, headers={"Authorization": "Bearer x"})
+            opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+            try:
+                with opener.open(request, timeout=5) as response:
+                    return response.status, response.read()
+            except urllib.error.HTTPError as e:
+                return e.code, e.read()
+
+        status_code, body = await asyncio.to_thread(get, "/api/status?who=me")
+        assert status_code == 200 and json.loads(body) == {
+            "path": "/api/status",
+            "who": "me",
+            "auth": "Bearer x",
+        }
+        assert (await asyncio.to_thread(get, "/api/broken"))[0] == 500
+        assert (await asyncio.to_thread(get, "/nothing"))[
+            0
+        ] == 426  # websockets: "Upgrade Required"
+        assert await b.call(a.peer_id, "echo", b"", timeout=5)  # websockets unaffected
