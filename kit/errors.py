@@ -33,6 +33,7 @@ Two questions decide how a caller should react to a failure, and the tree answer
     │   │   ├── FrameTooLarge
     │   │   ├── FlowControlViolation
     │   │   ├── TooManyStreams
+    │   │   ├── FrameAuthenticationFailed  a frame modified or injected on the path
     │   │   └── InvalidTensor        bad dtype / shape / size in a tensor header
     │   ├── LocalProtocolError       kit broke its own protocol (our bug)
     │   ├── RemoteError              the remote handler failed and told us so
@@ -153,6 +154,10 @@ class FlowControlViolation(RemoteProtocolError):
 
 class TooManyStreams(RemoteProtocolError):
     """The remote peer opened more concurrent streams than allowed."""
+
+
+class FrameAuthenticationFailed(RemoteProtocolError):
+    """A frame's authentication tag did not verify: it was modified or injected on the path."""
 
 
 class InvalidTensor(RemoteProtocolError):
@@ -318,11 +323,11 @@ class NoAggregators(TransientError):
 
 
 class DataError(KitError):
-    """A data source, a data file or a tokenizer cannot be used as configured (permanent)."""
+    """A data source, a data file or a tokenizer cannot be used as configured (permanent unless noted)."""
 
 
 class DataSourceNotFound(DataError):
-    """A data file, a Hub dataset or a tokenizer folder does not exist (or is unreachable offline)."""
+    """A data file, a Hub dataset or a tokenizer folder does not exist (or may not be read)."""
 
 
 class EmptySource(DataError):
@@ -338,4 +343,4 @@ class InvalidShard(DataError):
 
 
 class DataSourceUnreachable(DataError, TransientError):
-    """The Hub (or the server holding a data file) could not be reached; a retry may work."""
+    """(transient) The Hub or the server holding a data file could not be reached; retry later."""

@@ -31,6 +31,7 @@ from kit.p2p.handshake import (
     HandshakeSettings,
     ListenerHandshake,
     RemoteHello,
+    SessionKeys,
     refusal_frame,
 )
 from kit.p2p.identity import Identity, PeerID
@@ -83,7 +84,11 @@ def _describe(error: ConnectionClosed) -> str:
 
 
 class Authorizer(Protocol):
-    """Decides who may connect. ``kit.auth`` provides the allowlist authorizer; default: open."""
+    """Decides who may connect. ``kit.auth`` provides the allowlist authorizer; default: open.
+
+    An authorizer with a true ``private`` attribute also turns on frame authentication
+    (``kit.p2p.frame_auth``) for every connection it admits.
+    """
 
     async def credentials(self) -> bytes:
         """What this peer presents in its hello (e.g. a signed access token)."""
@@ -96,6 +101,8 @@ class Authorizer(Protocol):
 
 class OpenAuthorizer:
     """Lets every peer of the same run in (public runs)."""
+
+    private = False  # authorizers of private runs set this: every frame is then authenticated
 
     async def credentials(self) -> bytes:
         return b""
@@ -137,8 +144,8 @@ async def dial_handshake(
     *,
     expected_peer: PeerID | None,
     timeout: float,
-) -> RemoteHello:
-    """Run the dialer's side of the handshake; returns the verified remote hello."""
+) -> tuple[RemoteHello, SessionKeys]:
+    """Run the dialer's side of the handshake; returns the verified remote hello and session keys."""
     settings = _with_credentials(settings, await authorizer.credentials())
     handshake = DialerHandshake(identity, settings, expected_peer)
     try:
@@ -147,6 +154,7 @@ async def dial_handshake(
         await _authorize(channel, authorizer, remote)
         await channel.send(auth)
         handshake.receive_welcome(await _recv_frame(channel, timeout))
+        assert handshake.session_keys is not None  # set by receive_hello
     except HandshakeRefused as e:
         if e.reason != Refusal.AUTH.value:
             await _refuse(channel, e)
@@ -157,7 +165,7 @@ async def dial_handshake(
     except BaseException:
         await channel.close()
         raise
-    return remote
+    return remote, handshake.session_keys
 
 
 async def accept_handshake(
@@ -167,8 +175,8 @@ async def accept_handshake(
     authorizer: Authorizer,
     *,
     timeout: float,
-) -> RemoteHello:
-    """Run the listener's side of the handshake; returns the verified remote hello."""
+) -> tuple[RemoteHello, SessionKeys]:
+    """Run the listener's side of the handshake; returns the verified remote hello and session keys."""
     settings = _with_credentials(settings, await authorizer.credentials())
     handshake = ListenerHandshake(identity, settings)
     try:
@@ -176,6 +184,7 @@ async def accept_handshake(
         await _authorize(channel, authorizer, remote)
         await channel.send(hello)
         await channel.send(handshake.receive_auth(await _recv_frame(channel, timeout)))
+        assert handshake.session_keys is not None  # set by receive_auth
     except HandshakeRefused as e:
         if e.reason != Refusal.AUTH.value:
             await _refuse(channel, e)
@@ -186,7 +195,7 @@ async def accept_handshake(
     except BaseException:
         await channel.close()
         raise
-    return remote
+    return remote, handshake.session_keys
 
 
 def _with_credentials(settings: HandshakeSettings, credentials: bytes) -> HandshakeSettings:

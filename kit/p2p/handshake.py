@@ -14,6 +14,11 @@ contains the other side's fresh nonce, so a recorded handshake cannot be replaye
 can claim a PeerID without its key. The authorizer hook (``kit.p2p.peer.Authorizer``) sees the
 verified remote identity and its credentials between these steps; the driver calls it.
 
+Each hello also carries a fresh X25519 key. Both sides derive per-direction session keys from
+the exchange, salted with the transcript (HKDF-SHA256); when either side asks for it
+(``frame_auth``, private runs), every later frame carries a MAC under those keys
+(``kit.p2p.frame_auth``), so a frame modified or injected on the path is rejected.
+
 A refusal (another protocol version, another run, another run config, a failed authorization)
 travels as a GOAWAY frame with a :class:`~kit.p2p.wire.Refusal` code and a message that says
 what to do, and surfaces as :class:`~kit.errors.HandshakeRefused` on both sides.
@@ -24,6 +29,10 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass
+
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from kit.errors import BadSignature, HandshakeRefused, MalformedFrame
 from kit.p2p import wire
@@ -51,6 +60,7 @@ class HandshakeSettings:
     features: tuple[str, ...] = ()  # e.g. ("relay",) when this peer relays for others
     receive_window: int = 8 * 1024**2  # per-stream receive window (bytes)
     max_frame: int = 1024**2  # largest DATA payload this side accepts (bytes)
+    frame_auth: bool = False  # require a MAC on every frame after the handshake (private runs)
 
 
 @dataclass(frozen=True)
@@ -66,6 +76,16 @@ class RemoteHello:
     features: tuple[str, ...]
     receive_window: int
     max_frame: int
+    frame_auth: bool  # the remote side asks for authenticated frames
+    ephemeral_key: bytes  # its X25519 key for this connection only
+
+
+@dataclass(frozen=True)
+class SessionKeys:
+    """Per-connection keys derived from the handshake (ephemeral X25519 + HKDF over the transcript)."""
+
+    send: bytes  # authenticates the frames this side sends
+    receive: bytes  # authenticates the frames the remote side sends
 
 
 _HELLO_SCHEMA: dict[str, type | tuple[type, ...]] = {
@@ -78,11 +98,19 @@ _HELLO_SCHEMA: dict[str, type | tuple[type, ...]] = {
     "features": list,
     "window": int,
     "max_frame": int,
+    "eph": bytes,
+    "fauth": bool,
 }
 
 
-def _hello_body(identity: Identity, settings: HandshakeSettings, nonce: bytes) -> dict[str, object]:
+def _hello_body(
+    identity: Identity, settings: HandshakeSettings, nonce: bytes, ephemeral: X25519PrivateKey
+) -> dict[str, object]:
     return {
+        "eph": ephemeral.public_key().public_bytes(
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw
+        ),
+        "fauth": settings.frame_auth,
         "v": wire.PROTOCOL_VERSION,
         "run": settings.run_id,
         "cfg": settings.config_hash,
@@ -122,7 +150,11 @@ def _parse_hello(
             f"run config {settings.config_hash[:12]} here, {body['cfg'][:12]} there - help: fetch the "
             "current run config from the coordinator and restart",
         )
-    if len(body["pk"]) != PUBLIC_KEY_SIZE or len(body["nonce"]) != NONCE_SIZE:
+    if (
+        len(body["pk"]) != PUBLIC_KEY_SIZE
+        or len(body["nonce"]) != NONCE_SIZE
+        or len(body["eph"]) != 32
+    ):
         raise MalformedFrame(f"{what}: bad public key or nonce size")
     if len(body["creds"]) > MAX_CREDENTIALS:
         raise MalformedFrame(f"{what}: credentials of {len(body['creds'])} bytes")
@@ -142,6 +174,8 @@ def _parse_hello(
         features=tuple(features),
         receive_window=body["window"],
         max_frame=body["max_frame"],
+        frame_auth=body["fauth"],
+        ephemeral_key=body["eph"],
     )
 
 
@@ -153,6 +187,22 @@ def _expect(frame: Frame, frame_type: FrameType) -> None:
         raise MalformedFrame(
             f"expected {frame_type.name} during the handshake, got {frame.type.name}"
         )
+
+
+def _session_keys(
+    ephemeral: X25519PrivateKey, remote_ephemeral: bytes, transcript: bytes, *, dialer: bool
+) -> SessionKeys:
+    try:
+        shared = ephemeral.exchange(X25519PublicKey.from_public_bytes(remote_ephemeral))
+    except ValueError:
+        raise MalformedFrame("invalid ephemeral key in HELLO") from None
+    material = HKDF(
+        algorithm=hashes.SHA256(), length=64, salt=transcript, info=b"kit-p2p/1 frame keys"
+    ).derive(shared)
+    dialer_key, listener_key = material[:32], material[32:]
+    return (
+        SessionKeys(dialer_key, listener_key) if dialer else SessionKeys(listener_key, dialer_key)
+    )
 
 
 def refusal_frame(error: HandshakeRefused) -> bytes:
@@ -171,7 +221,11 @@ class DialerHandshake:
         self._identity = identity
         self._settings = settings
         self._expected_peer = expected_peer
-        self._hello = wire.packb(_hello_body(identity, settings, os.urandom(NONCE_SIZE)))
+        self._ephemeral = X25519PrivateKey.generate()
+        self._hello = wire.packb(
+            _hello_body(identity, settings, os.urandom(NONCE_SIZE), self._ephemeral)
+        )
+        self.session_keys: SessionKeys | None = None  # set once the listener's hello verified
 
     def hello(self) -> bytes:
         return wire.encode_frame(FrameType.HELLO, 0, self._hello)
@@ -196,6 +250,9 @@ class DialerHandshake:
         transcript = (
             hashlib.sha256(self._hello).digest() + hashlib.sha256(bytes(frame.payload)).digest()
         )
+        self.session_keys = _session_keys(
+            self._ephemeral, remote.ephemeral_key, transcript, dialer=True
+        )
         auth = wire.encode_control(
             FrameType.AUTH, 0, {"sig": self._identity.sign(_DIALER_CONTEXT + transcript)}
         )
@@ -214,13 +271,17 @@ class ListenerHandshake:
         self._dialer_hello = b""
         self._own_hello = b""
         self._remote: RemoteHello | None = None
+        self._ephemeral = X25519PrivateKey.generate()
+        self.session_keys: SessionKeys | None = None  # set once the dialer's AUTH verified
 
     def receive_hello(self, frame: Frame) -> tuple[RemoteHello, bytes]:
         """Check the dialer's hello; returns it and this side's signed HELLO frame."""
         _expect(frame, FrameType.HELLO)
         self._dialer_hello = bytes(frame.payload)
         self._remote = _parse_hello(self._dialer_hello, self._settings, "dialer HELLO")
-        body = wire.packb(_hello_body(self._identity, self._settings, os.urandom(NONCE_SIZE)))
+        body = wire.packb(
+            _hello_body(self._identity, self._settings, os.urandom(NONCE_SIZE), self._ephemeral)
+        )
         signature = self._identity.sign(
             _LISTENER_CONTEXT + hashlib.sha256(self._dialer_hello).digest() + body
         )
@@ -238,4 +299,7 @@ class ListenerHandshake:
         )
         if not verify_signature(self._remote.public_key, signature, _DIALER_CONTEXT + transcript):
             raise BadSignature("the dialer's handshake signature does not verify")
+        self.session_keys = _session_keys(
+            self._ephemeral, self._remote.ephemeral_key, transcript, dialer=False
+        )
         return wire.encode_frame(FrameType.WELCOME, 0)

@@ -56,6 +56,7 @@ from kit.p2p.channel import (
     dial_handshake,
 )
 from kit.p2p.connection import Channel, Connection, Stream, wait_bounded
+from kit.p2p.frame_auth import AuthenticatedChannel
 from kit.p2p.handshake import HandshakeSettings, RemoteHello
 from kit.p2p.identity import Identity, IdentityLock, PeerID, load_identity
 from kit.p2p.mux import MuxLimits
@@ -106,6 +107,7 @@ class PeerOptions:
     keepalive_timeout: float = 20.0
     request_timeout: float = 30.0  # how long a unary handler may wait for the caller's request
     idle_timeout: float = 300.0  # close connections without streams for this long (0 = never)
+    frame_auth: bool = False  # MAC every frame (on by itself with a private-run authorizer)
 
 
 @dataclass(frozen=True)
@@ -386,14 +388,17 @@ class Peer:
             channel: Channel = await relay.open_relayed_channel(self, address, timeout)
         else:
             channel = await self._open_websocket(address, min(timeout, self.options.dial_timeout))
-        remote = await dial_handshake(
+        settings = self._handshake_settings(relayed=address.relay is not None)
+        remote, keys = await dial_handshake(
             channel,
             self.identity,
-            self._handshake_settings(relayed=address.relay is not None),
+            settings,
             self.authorizer,
             expected_peer=address.peer_id,
             timeout=min(timeout, self.options.handshake_timeout),
         )
+        if settings.frame_auth or remote.frame_auth:
+            channel = AuthenticatedChannel(channel, keys)
         self._register(channel, remote, is_dialer=True)
         if address.relay is None or address.peer_id is None:
             self.add_address(remote.peer_id, address)
@@ -460,12 +465,13 @@ class Peer:
 
     async def _serve_websocket(self, websocket: websockets.asyncio.server.ServerConnection) -> None:
         host, port = websocket.remote_address[:2]
-        channel = WebSocketChannel(websocket, f"{host}:{port}", remote_host=host)
+        channel: Channel = WebSocketChannel(websocket, f"{host}:{port}", remote_host=host)
+        settings = self._handshake_settings()
         try:
-            remote = await accept_handshake(
+            remote, keys = await accept_handshake(
                 channel,
                 self.identity,
-                self._handshake_settings(),
+                settings,
                 self.authorizer,
                 timeout=self.options.handshake_timeout,
             )
@@ -480,18 +486,23 @@ class Peer:
         if PROBE_FEATURE in remote.features:
             await channel.close()  # a dial-back probe: it only wanted to see that we answer
             return
+        if settings.frame_auth or remote.frame_auth:
+            channel = AuthenticatedChannel(channel, keys)
         connection = self._register(channel, remote, is_dialer=False)
         await connection.wait_closed(timeout=None)
 
     async def accept_channel(self, channel: Channel) -> None:
         """Run the listener's handshake on a channel a relay handed us, then serve it."""
-        remote = await accept_handshake(
+        settings = self._handshake_settings(relayed=True)
+        remote, keys = await accept_handshake(
             channel,
             self.identity,
-            self._handshake_settings(relayed=True),
+            settings,
             self.authorizer,
             timeout=self.options.handshake_timeout,
         )
+        if settings.frame_auth or remote.frame_auth:
+            channel = AuthenticatedChannel(channel, keys)
         connection = self._register(channel, remote, is_dialer=False)
         await connection.wait_closed(timeout=None)
 
@@ -510,6 +521,7 @@ class Peer:
             features=features + (PROBE_FEATURE,) if probe else features,
             receive_window=self.options.limits.receive_window,
             max_frame=max_frame,
+            frame_auth=self.options.frame_auth or bool(getattr(self.authorizer, "private", False)),
         )
 
     def _register(self, channel: Channel, remote: RemoteHello, *, is_dialer: bool) -> Connection:

@@ -117,3 +117,18 @@ def test_malformed_hello() -> None:
         listener.receive_hello(frame(wire.encode_control(FrameType.HELLO, 0, {"v": 1})))
     with pytest.raises(MalformedFrame):
         listener.receive_auth(frame(wire.encode_control(FrameType.AUTH, 0, {"sig": b""})))
+
+
+def test_session_keys_match_across_sides_and_differ_per_connection() -> None:
+    a, b = Identity.generate(), Identity.generate()
+    settings = HandshakeSettings(run_id="r", frame_auth=True)
+    dialer, listener = DialerHandshake(a, settings), ListenerHandshake(b, settings)
+    remote_dialer, _ = run(dialer, listener)
+    assert remote_dialer.frame_auth  # type: ignore[attr-defined]
+    assert dialer.session_keys is not None and listener.session_keys is not None
+    assert dialer.session_keys.send == listener.session_keys.receive
+    assert dialer.session_keys.receive == listener.session_keys.send
+    assert dialer.session_keys.send != dialer.session_keys.receive
+    again = DialerHandshake(a, settings)
+    run(again, ListenerHandshake(b, settings))
+    assert again.session_keys != dialer.session_keys  # fresh ephemeral keys every connection

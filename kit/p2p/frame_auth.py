@@ -1,0 +1,77 @@
+"""Authenticated frames: a 16-byte tag on every frame of an established connection (private runs).
+
+After the handshake, both sides hold per-direction keys (``kit.p2p.handshake.SessionKeys``). With
+frame authentication on, each websocket message is ``frame ‖ tag`` where ``tag`` is AES-GCM's
+GMAC over the frame with the frame's sequence number as the nonce. The receiver expects the
+sequence numbers in order, so a frame that was modified, injected, replayed, reordered or dropped
+on the path fails verification, and the connection is dropped with ``FrameAuthenticationFailed``.
+The keys come from an ephemeral X25519 exchange bound to both peers' signed hellos, so a relay
+(or anyone on the path) cannot compute valid tags.
+
+Why GMAC: it runs at 17-27 GB/s here (HMAC-SHA256: 1.4 GB/s), so it costs tensor traffic nothing
+measurable. Frames are authenticated, not encrypted: use wss:// where confidentiality matters.
+"""
+
+from __future__ import annotations
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from kit.errors import FrameAuthenticationFailed
+from kit.p2p.connection import Channel
+from kit.p2p.handshake import SessionKeys
+
+TAG_SIZE = 16
+
+
+class FrameAuthenticator:
+    """Pure tagging and verification with per-direction sequence numbers."""
+
+    def __init__(self, keys: SessionKeys) -> None:
+        self._send = AESGCM(keys.send)
+        self._receive = AESGCM(keys.receive)
+        self._send_sequence = 0
+        self._receive_sequence = 0
+
+    def seal(self, frame: bytes) -> bytes:
+        nonce = self._send_sequence.to_bytes(12, "big")
+        self._send_sequence += 1
+        return frame + self._send.encrypt(nonce, b"", frame)
+
+    def open(self, message: bytes) -> bytes:
+        if len(message) < TAG_SIZE:
+            raise FrameAuthenticationFailed("frame shorter than its authentication tag")
+        view = memoryview(message)
+        frame, tag = view[:-TAG_SIZE], view[-TAG_SIZE:]
+        nonce = self._receive_sequence.to_bytes(12, "big")
+        try:
+            self._receive.decrypt(nonce, bytes(tag), frame)
+        except InvalidTag:
+            raise FrameAuthenticationFailed(
+                f"frame {self._receive_sequence} failed authentication (modified, injected or replayed on the path)"
+            ) from None
+        self._receive_sequence += 1
+        return frame  # type: ignore[return-value]  # a memoryview: kit.p2p.wire decodes bytes-likes
+
+
+class AuthenticatedChannel:
+    """Wraps a channel so that every message carries and is checked for its tag."""
+
+    def __init__(self, channel: Channel, keys: SessionKeys) -> None:
+        self._channel = channel
+        self._authenticator = FrameAuthenticator(keys)
+        self.remote_address = channel.remote_address
+        self.remote_host = getattr(channel, "remote_host", None)
+
+    async def send(self, data: bytes) -> None:
+        await self._channel.send(self._authenticator.seal(data))
+
+    async def recv(self) -> bytes:
+        return self._authenticator.open(await self._channel.recv())
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    @property
+    def inner(self) -> Channel:
+        return self._channel
