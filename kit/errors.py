@@ -25,7 +25,9 @@ Two questions decide how a caller should react to a failure, and the tree answer
     ├── AuthError                    refused by the authorizer (permanent unless noted)
     │   ├── NotAllowlisted
     │   ├── BadSignature
-    │   └── TokenExpired             (transient: refresh the token and retry)
+    │   ├── TokenExpired             (transient: refresh the token and retry)
+    │   ├── MissingToken, MalformedToken, TokenMismatch, Revoked, InvalidHubToken
+    │   └── TokenServiceUnavailable  (transient: the Hub or the coordinator is unreachable)
     ├── PeerError                    something went wrong with a remote peer
     │   ├── HandshakeRefused         other protocol version, other run, auth failure
     │   ├── RemoteProtocolError      the remote peer misbehaved (malformed frame, limits)
@@ -344,3 +346,30 @@ class InvalidShard(DataError):
 
 class DataSourceUnreachable(DataError, TransientError):
     """(transient) The Hub or the server holding a data file could not be reached; retry later."""
+
+
+# --- auth (kit.auth) ----------------------------------------------------------------------------
+
+
+class MissingToken(AuthError):
+    """A peer presented no access token in its handshake, but this run admits token holders only."""
+
+
+class MalformedToken(AuthError):
+    """An access token or a revocation list is not valid msgpack of the expected shape or size."""
+
+
+class TokenMismatch(AuthError):
+    """An access token was issued for another peer key (a stolen token) or for another run."""
+
+
+class Revoked(AuthError):
+    """The organizer revoked this user or this peer key."""
+
+
+class InvalidHubToken(AuthError):
+    """The Hugging Face Hub refused the user access token (unknown, expired, or not a user's)."""
+
+
+class TokenServiceUnavailable(AuthError, TransientError):
+    """The Hub or the coordinator's token endpoint could not be reached or timed out."""
