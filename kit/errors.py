@@ -373,3 +373,13 @@ class InvalidHubToken(AuthError):
 
 class TokenServiceUnavailable(AuthError, TransientError):
     """The Hub or the coordinator's token endpoint could not be reached or timed out."""
+
+
+# --- averaging: matchmaking and all-reduce ------------------------------------------------------
+
+
+class GroupMismatch(RemoteProtocolError):
+    """Members of an averaging group disagree on it (another hash, schema or membership).
+
+    The round is aborted on the peer that sees it: its tensors stay as they were.
+    """

@@ -25,7 +25,7 @@ from kit.errors import (
     RemoteProtocolError,
 )
 from kit.p2p import wire
-from kit.p2p.connection import Channel
+from kit.p2p.connection import Channel, Message, message_bytes, wait_bounded
 from kit.p2p.handshake import (
     DialerHandshake,
     HandshakeSettings,
@@ -54,9 +54,9 @@ class WebSocketChannel:
         self.remote_address = remote_address
         self.remote_host = remote_host  # the IP we see the remote side at (accepted connections)
 
-    async def send(self, data: bytes) -> None:
+    async def send(self, data: Message) -> None:
         try:
-            await self._websocket.send(data)
+            await self._websocket.send(message_bytes(data))
         except ConnectionClosed as e:
             raise ConnectionLost(
                 f"websocket to {self.remote_address} closed: {_describe(e)}"
@@ -74,6 +74,10 @@ class WebSocketChannel:
     async def close(self) -> None:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._websocket.close(), 2.0)
+
+    def write_buffer_size(self) -> int:
+        """Bytes written but not yet handed to the kernel (for memory accounting)."""
+        return int(self._websocket.transport.get_write_buffer_size())
 
 
 def _describe(error: ConnectionClosed) -> str:
@@ -146,9 +150,13 @@ async def dial_handshake(
     timeout: float,
 ) -> tuple[RemoteHello, SessionKeys]:
     """Run the dialer's side of the handshake; returns the verified remote hello and session keys."""
-    settings = _with_credentials(settings, await authorizer.credentials())
-    handshake = DialerHandshake(identity, settings, expected_peer)
     try:
+        credentials = await wait_bounded(
+            authorizer.credentials(), timeout, "getting an access token"
+        )
+        handshake = DialerHandshake(
+            identity, _with_credentials(settings, credentials), expected_peer
+        )  # type: ignore[arg-type]
         await channel.send(handshake.hello())
         remote, auth = handshake.receive_hello(await _recv_frame(channel, timeout))
         await _authorize(channel, authorizer, remote)
@@ -177,9 +185,11 @@ async def accept_handshake(
     timeout: float,
 ) -> tuple[RemoteHello, SessionKeys]:
     """Run the listener's side of the handshake; returns the verified remote hello and session keys."""
-    settings = _with_credentials(settings, await authorizer.credentials())
-    handshake = ListenerHandshake(identity, settings)
     try:
+        credentials = await wait_bounded(
+            authorizer.credentials(), timeout, "getting an access token"
+        )
+        handshake = ListenerHandshake(identity, _with_credentials(settings, credentials))  # type: ignore[arg-type]
         remote, hello = handshake.receive_hello(await _recv_frame(channel, timeout))
         await _authorize(channel, authorizer, remote)
         await channel.send(hello)

@@ -16,8 +16,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Protocol
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Protocol, TypeVar
 
 from kit.errors import (
     ConnectionLost,
@@ -48,6 +48,23 @@ from kit.p2p.mux import (
 from kit.p2p.wire import FrameType, Refusal, ResetCode
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+#: One message as one or more byte strings sent back to back (a frame header and its payload),
+#: so that channels that must copy anyway (masking, relaying) copy once, and others not at all.
+Message = bytes | bytearray | memoryview | Sequence[bytes | bytearray | memoryview]
+
+
+def message_parts(message: Message) -> Sequence[bytes | bytearray | memoryview]:
+    if isinstance(message, (bytes, bytearray, memoryview)):
+        return (message,)
+    return message
+
+
+def message_bytes(message: Message) -> bytes:
+    parts = message_parts(message)
+    return parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(parts)
 
 
 class Channel(Protocol):
@@ -55,7 +72,7 @@ class Channel(Protocol):
 
     remote_address: str
 
-    async def send(self, data: bytes) -> None:
+    async def send(self, data: Message) -> None:
         """Send one message. Raises ConnectionLost when the channel is gone."""
         ...
 
@@ -68,7 +85,7 @@ class Channel(Protocol):
         ...
 
 
-async def wait_bounded(awaitable: Awaitable[object], timeout: float | None, what: str) -> object:
+async def wait_bounded(awaitable: Awaitable[T], timeout: float | None, what: str) -> T:
     """``await`` with an optional timeout that raises KitTimeout naming what was awaited."""
     if timeout is None:
         return await awaitable
@@ -106,6 +123,15 @@ class Stream:
     async def receive_message(
         self, *, max_size: int = DEFAULT_MAX_MESSAGE, timeout: float | None = None
     ) -> bytes | None:
+        parts = await self.receive_message_parts(max_size=max_size, timeout=timeout)
+        if parts is None:
+            return None
+        return parts[0].tobytes() if len(parts) == 1 else b"".join(parts)
+
+    async def receive_message_parts(
+        self, *, max_size: int = DEFAULT_MAX_MESSAGE, timeout: float | None = None
+    ) -> list[memoryview] | None:
+        """The next message as the frame payloads it arrived in (no joining copy), or None."""
         parts: list[memoryview] = []
         size = 0
         while True:
@@ -120,7 +146,7 @@ class Stream:
                 raise FrameTooLarge(f"{self.protocol}: message larger than {max_size} bytes")
             parts.append(chunk)
             if end_message:
-                return parts[0].tobytes() if len(parts) == 1 else b"".join(parts)
+                return parts
 
     async def receive_message_into(
         self, buffer: memoryview, *, timeout: float | None = None
@@ -166,9 +192,28 @@ class Stream:
 
     # --- sending -------------------------------------------------------------------------
 
-    async def send_message(self, data: bytes | memoryview, *, timeout: float | None = None) -> None:
-        view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
+    async def send_message(self, data: Message, *, timeout: float | None = None) -> None:
+        """Send one message (bytes-like, or a sequence of parts sent as one message)."""
         mux = self.connection.mux
+        parts = message_parts(data)
+        if len(parts) > 1:
+            size = sum(len(part) for part in parts)
+            if size > mux.send_frame_size:
+                return await self.send_message(b"".join(parts), timeout=timeout)
+            # A small multi-part message (a relayed frame) goes out as one frame, uncopied.
+            while mux.send_credit(self.stream_id) < size:
+                if self._error is not None:
+                    raise self._error
+                self._credit_ready.clear()
+                await wait_bounded(
+                    self._credit_ready.wait(), timeout, f"sending on {self.protocol}"
+                )
+            if self._error is not None:
+                raise self._error
+            views = tuple(memoryview(part).cast("B") for part in parts)
+            self.connection._enqueue(mux.data_frame(self.stream_id, views, end_message=True))
+            return
+        view = memoryview(parts[0]).cast("B")
         offset = 0
         while True:
             if self._error is not None:
@@ -266,7 +311,7 @@ class Connection:
         self._on_stream = on_stream
         self._on_closed = on_closed
         self._streams: dict[int, Stream] = {}
-        self._outbox: collections.deque[bytes] = collections.deque()
+        self._outbox: collections.deque[Message] = collections.deque()
         self._outbox_ready = asyncio.Event()
         self._handler_tasks: set[asyncio.Task[None]] = set()
         self._handler_by_stream: dict[int, asyncio.Task[None]] = {}
@@ -330,7 +375,7 @@ class Connection:
         """True when no stream is open on this connection."""
         return not self._streams and not self._handler_tasks
 
-    def _enqueue(self, frame: bytes) -> None:
+    def _enqueue(self, frame: Message) -> None:
         if self._closed:
             raise self._close_reason or ConnectionLost("connection closed")
         self._outbox.append(frame)

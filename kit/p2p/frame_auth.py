@@ -14,11 +14,14 @@ measurable. Frames are authenticated, not encrypted: use wss:// where confidenti
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kit.errors import FrameAuthenticationFailed
-from kit.p2p.connection import Channel
+from kit.p2p.connection import Channel, Message, message_parts
 from kit.p2p.handshake import SessionKeys
 
 TAG_SIZE = 16
@@ -28,15 +31,23 @@ class FrameAuthenticator:
     """Pure tagging and verification with per-direction sequence numbers."""
 
     def __init__(self, keys: SessionKeys) -> None:
-        self._send = AESGCM(keys.send)
+        self._send_key = keys.send
         self._receive = AESGCM(keys.receive)
         self._send_sequence = 0
         self._receive_sequence = 0
 
-    def seal(self, frame: bytes) -> bytes:
+    def tag(self, parts: Sequence[bytes | bytearray | memoryview]) -> bytes:
+        """The tag of the next frame to send, given as parts (GMAC over them, no joining copy)."""
         nonce = self._send_sequence.to_bytes(12, "big")
         self._send_sequence += 1
-        return frame + self._send.encrypt(nonce, b"", frame)
+        encryptor = Cipher(algorithms.AES(self._send_key), modes.GCM(nonce)).encryptor()
+        for part in parts:
+            encryptor.authenticate_additional_data(part)
+        encryptor.finalize()
+        return bytes(encryptor.tag)
+
+    def seal(self, frame: bytes) -> bytes:
+        return frame + self.tag((frame,))
 
     def open(self, message: bytes) -> bytes:
         if len(message) < TAG_SIZE:
@@ -63,8 +74,9 @@ class AuthenticatedChannel:
         self.remote_address = channel.remote_address
         self.remote_host = getattr(channel, "remote_host", None)
 
-    async def send(self, data: bytes) -> None:
-        await self._channel.send(self._authenticator.seal(data))
+    async def send(self, data: Message) -> None:
+        parts = message_parts(data)
+        await self._channel.send((*parts, self._authenticator.tag(parts)))
 
     async def recv(self) -> bytes:
         return self._authenticator.open(await self._channel.recv())

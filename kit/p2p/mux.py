@@ -174,25 +174,35 @@ class Mux:
         return stream_id, wire.encode_control(FrameType.OPEN, stream_id, {"protocol": protocol})
 
     def data_frame(
-        self, stream_id: int, data: memoryview, *, end_message: bool, end_stream: bool = False
-    ) -> bytes:
-        """A DATA frame of ``data``, which must fit the stream's credit and the frame size."""
+        self,
+        stream_id: int,
+        data: memoryview | tuple[memoryview, ...],
+        *,
+        end_message: bool,
+        end_stream: bool = False,
+    ) -> tuple[bytes | memoryview, ...]:
+        """A DATA frame as (header, *payload parts): no copy of the payload is made here.
+
+        ``data`` (one buffer or several parts) must fit the stream's credit and the frame size.
+        """
+        parts = data if isinstance(data, tuple) else (data,)
+        size = sum(len(part) for part in parts)
         record = self._streams.get(stream_id)
         if record is None or record.state not in (StreamState.OPEN, StreamState.REMOTE_CLOSED):
             raise LocalProtocolError(
                 f"stream {stream_id} cannot send in state {self.state(stream_id).value}"
             )
-        if len(data) > record.send_credit or len(data) > self.send_frame_size:
+        if size > record.send_credit or size > self.send_frame_size:
             raise LocalProtocolError(
-                f"{len(data)} bytes exceed credit {record.send_credit} or frame size"
+                f"{size} bytes exceed credit {record.send_credit} or frame size"
             )
-        record.send_credit -= len(data)
+        record.send_credit -= size
         flags = (DataFlags.END_MESSAGE if end_message else 0) | (
             DataFlags.END_STREAM if end_stream else 0
         )
         if end_stream:
             self._transition(stream_id, record, StreamEvent.LOCAL_END)
-        return wire.encode_frame(FrameType.DATA, stream_id, data, int(flags))
+        return (wire.HEADER.pack(FrameType.DATA, int(flags), stream_id), *parts)
 
     def close_frame(self, stream_id: int) -> bytes | None:
         """END_STREAM as an empty DATA frame (half-close), or None if already closed/reset."""

@@ -27,7 +27,7 @@ from kit.errors import ConnectionLost, KitTimeout, PeerError, PeerUnavailable, R
 from kit.p2p import wire
 from kit.p2p.address import Address, parse_address
 from kit.p2p.channel import WEBSOCKET_MAX_SIZE
-from kit.p2p.connection import Stream
+from kit.p2p.connection import Message, Stream, message_parts
 from kit.p2p.identity import PeerID
 from kit.p2p.wire import ResetCode
 
@@ -79,20 +79,20 @@ class StreamChannel:
         self.remote_address = description
         self.remote_host: str | None = None
 
-    async def send(self, data: bytes) -> None:
+    async def send(self, data: Message) -> None:
         try:
-            await self._stream.send_message(data)
+            await self._stream.send_message(message_parts(data))
         except (PeerError, KitTimeout) as e:
             raise ConnectionLost(f"relayed channel {self.remote_address}: {e}") from None
 
     async def recv(self) -> bytes:
         try:
-            data = await self._stream.receive_message(max_size=WEBSOCKET_MAX_SIZE)
+            parts = await self._stream.receive_message_parts(max_size=WEBSOCKET_MAX_SIZE)
         except (PeerError, KitTimeout) as e:
             raise ConnectionLost(f"relayed channel {self.remote_address}: {e}") from None
-        if data is None:
+        if parts is None:
             raise ConnectionLost(f"relayed channel {self.remote_address} closed")
-        return data
+        return parts[0] if len(parts) == 1 else b"".join(parts)  # type: ignore[return-value]
 
     async def close(self) -> None:
         self._stream.reset(ResetCode.CANCELLED, "relayed connection closed")
@@ -211,17 +211,19 @@ class RelayService:
 
         async def forward(src: Stream, dst: Stream) -> None:
             while True:
-                message = await src.receive_message(max_size=WEBSOCKET_MAX_SIZE)
-                if message is None:
+                # Forwarded as the frame payloads it arrived in: the relay copies nothing.
+                parts = await src.receive_message_parts(max_size=WEBSOCKET_MAX_SIZE)
+                if parts is None:
                     await dst.close()
                     return
-                await self._throttle(src.remote_peer, len(message))
+                size = sum(len(part) for part in parts)
+                await self._throttle(src.remote_peer, size)
                 if budget[0] is not None:
-                    budget[0] -= len(message)
+                    budget[0] -= size
                     if budget[0] < 0:
                         raise RemoteProtocolError("circuit byte limit reached")
-                self.relayed_bytes += len(message)
-                await dst.send_message(message)
+                self.relayed_bytes += size
+                await dst.send_message(tuple(parts))
 
         tasks = [asyncio.ensure_future(forward(a, b)), asyncio.ensure_future(forward(b, a))]
         try:

@@ -40,8 +40,9 @@ def pair() -> tuple[Mux, Mux]:
     return dialer, listener
 
 
-def deliver(mux: Mux, data: bytes) -> list[object]:
-    return list(mux.receive(wire.decode_frame(data, LIMITS.max_frame)))
+def deliver(mux: Mux, data: bytes | tuple[bytes, memoryview]) -> list[object]:
+    frame = data if isinstance(data, bytes) else b"".join(data)
+    return list(mux.receive(wire.decode_frame(frame, LIMITS.max_frame)))
 
 
 def test_open_send_consume_credit() -> None:

@@ -1,0 +1,111 @@
+"""kit's RFC 6455 framing: the pure frame reader, fed in every possible split."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import numpy as np
+import pytest
+from websockets.frames import Frame, Opcode
+
+from kit.errors import FrameTooLarge, MalformedFrame
+from kit.p2p.websocket import (
+    OP_BINARY,
+    OP_CLOSE,
+    OP_PING,
+    OP_PONG,
+    FrameReader,
+    apply_mask,
+    frame_header,
+    mask_into,
+)
+
+
+def websockets_frame(opcode: Opcode, data: bytes, *, fin: bool = True, mask: bool = True) -> bytes:
+    """A frame serialized by the websockets library itself: the reference encoder."""
+    return Frame(opcode, data, fin=fin).serialize(mask=mask)
+
+
+def feed(reader: FrameReader, data: bytes, step: int) -> None:
+    for start in range(0, len(data), step):
+        piece = data[start : start + step]
+        offset = 0
+        while offset < len(piece):
+            buffer = reader.buffer()
+            size = min(len(buffer), len(piece) - offset)
+            buffer[:size] = piece[offset : offset + size]
+            reader.received(size)
+            offset += size
+
+
+@pytest.mark.parametrize("step", [1, 7, 4096, 1 << 20])
+def test_reads_frames_from_websockets_in_any_split(step: int) -> None:
+    small, large = os.urandom(100), os.urandom(3 * 1024 * 1024 + 5)
+    stream = (
+        websockets_frame(Opcode.BINARY, small)
+        + websockets_frame(Opcode.PING, b"hi")
+        + websockets_frame(Opcode.BINARY, large)
+        + websockets_frame(Opcode.BINARY, b"part1-", fin=False)
+        + websockets_frame(Opcode.CONT, b"part2", fin=True)
+        + websockets_frame(Opcode.BINARY, b"")
+    )
+    reader = FrameReader(expect_masked=True, max_size=16 * 1024 * 1024)
+    feed(reader, stream, step)
+    assert [bytes(m) for m in reader.messages] == [small, large, b"part1-part2", b""]
+    assert reader.replies == [(OP_PONG, b"hi")]
+
+
+def test_close_frame_is_answered() -> None:
+    reader = FrameReader(expect_masked=False, max_size=1024)
+    feed(reader, websockets_frame(Opcode.CLOSE, struct.pack("!H", 1000) + b"bye", mask=False), 3)
+    assert reader.closed_by_peer and reader.replies == [(OP_CLOSE, struct.pack("!H", 1000))]
+
+
+@pytest.mark.parametrize(
+    "frame, error",
+    [
+        (websockets_frame(Opcode.TEXT, b"text"), MalformedFrame),
+        (websockets_frame(Opcode.BINARY, b"x", mask=False), MalformedFrame),  # client must mask
+        (bytes([0x82 | 0x40, 0x80]) + b"\0" * 4, MalformedFrame),  # reserved bit
+        (bytes([0x09, 0x80]) + b"\0" * 4, MalformedFrame),  # fragmented ping
+        (websockets_frame(Opcode.CONT, b"x"), MalformedFrame),  # continuation without a start
+        (frame_header(OP_BINARY, 2048, b"abcd"), FrameTooLarge),
+    ],
+)
+def test_protocol_errors(frame: bytes, error: type[Exception]) -> None:
+    reader = FrameReader(expect_masked=True, max_size=1024)
+    with pytest.raises(error):
+        feed(reader, frame, 64)
+
+
+def test_our_encoder_is_read_by_websockets() -> None:
+    from websockets.frames import Frame as Parsed
+    from websockets.streams import StreamReader
+
+    key, payload = os.urandom(4), os.urandom(70_000)
+    header = frame_header(OP_BINARY, len(payload), key)
+    masked = bytearray(payload)
+    apply_mask(masked, key)
+    stream = StreamReader()
+    stream.feed_data(header + bytes(masked))
+    parser = Parsed.parse(stream.read_exact, mask=True)
+    try:
+        next(parser)
+    except StopIteration as done:
+        frame = done.value
+    assert frame.opcode == Opcode.BINARY and frame.data == payload
+
+
+@pytest.mark.parametrize("phase", [0, 1, 2, 3])
+@pytest.mark.parametrize("size", [0, 3, 8, 13, 1000])
+def test_mask_into_matches_bytewise_xor(phase: int, size: int) -> None:
+    key, data = os.urandom(4), os.urandom(size)
+    out = np.empty(size, dtype=np.uint8)
+    mask_into(memoryview(out), data, key, phase)  # type: ignore[arg-type]
+    expected = bytes(b ^ key[(phase + i) % 4] for i, b in enumerate(data))
+    assert out.tobytes() == expected
+
+
+def test_ping_pong_opcodes() -> None:
+    assert (OP_PING, OP_PONG) == (0x9, 0xA)
