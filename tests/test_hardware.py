@@ -14,16 +14,10 @@ from hypothesis import strategies as st
 
 from kit.errors import ConfigError
 from kit.hardware import (
-    CPU_MAX_MICRO_BATCH,
-    CUDA_CONTEXT_BYTES,
     GPU,
-    MIN_USEFUL_MICRO_BATCH,
     Hardware,
     Platform,
     TrainingNeeds,
-    _build_supports,
-    _parse_meminfo,
-    _read_ram,
     detect,
     detect_platform,
     estimate_memory,
@@ -32,6 +26,14 @@ from kit.hardware import (
     needs_from_model,
     plan,
     supports_gradient_checkpointing,
+)
+from kit.hardware.detect import (
+    CPU_MAX_MICRO_BATCH,
+    CUDA_CONTEXT_BYTES,
+    MIN_USEFUL_MICRO_BATCH,
+    _build_supports,
+    _parse_meminfo,
+    _read_ram,
 )
 
 GIB = 1024**3
