@@ -1,191 +1,35 @@
-"""The run configuration: frozen dataclasses, one commented line per field, validated on creation.
+"""The ``tokenizer:`` and ``data:`` sections of the run configuration (moved here unchanged).
 
-It holds the sections of a ``run.yaml`` that kit reads (``tokenizer:`` and ``data:`` so far; a
-``RunConfig`` composing every section comes later and reuses the helpers here), the shared
-validation helpers that raise :class:`~kit.errors.ConfigError` with a ``help:`` hint, and YAML/JSON
-loading. Each section class has ``from_dict`` (unknown keys are errors, with a did-you-mean) and
-``to_dict`` (plain lists and dicts, ready for ``yaml.safe_dump``/``json.dumps``).
-
-It doesn't hold anything that reads the hardware, the network or torch: the coordinator loads
-this on a small CPU box, and tests construct configs without side effects.
+Holds ``TokenizerConfig``, ``SourceConfig`` and ``DataConfig``: frozen dataclasses, one commented
+line per field, validated on creation, with ``from_dict``/``to_dict``/``from_file``. It doesn't
+hold the tokenizer or the data pipeline themselves (``kit.data``), nor the checks across sections
+(``kit.config.run``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import json
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
-import yaml
-
-from kit.errors import ConfigError
-
-__all__ = [
-    "DataConfig",
-    "SourceConfig",
-    "TokenizerConfig",
-    "check_bool",
-    "check_choice",
-    "check_int",
-    "check_probability",
-    "check_text",
-    "config_error",
-    "load_config_file",
-    "read_section",
-]
+from kit.config.fields import (
+    _as_tuple,
+    _check_keys,
+    _to_plain,
+    check_bool,
+    check_choice,
+    check_int,
+    check_probability,
+    check_text,
+    config_error,
+    read_section,
+)
 
 #: Builders of ``datasets`` that read local (or URL) files given as ``data_files``.
 FILE_BUILDERS = ("text", "json", "csv", "parquet", "arrow")
 #: Tolerance on "the source probabilities sum to 1" (YAML floats such as 0.23 + 0.77).
 PROBABILITY_SUM_TOLERANCE = 1e-6
-
-SectionT = TypeVar("SectionT")
-
-
-# --- validation helpers (shared by every section) ----------------------------------------------
-
-
-def config_error(where: str, problem: str, hint: str) -> ConfigError:
-    """A ConfigError whose message names the field, the problem and the fix.
-
-    Args:
-        where: dotted path of the field, e.g. ``"data.sources[wiki].probability"``.
-        problem: what is wrong, e.g. ``"must be between 0 and 1, got 1.5"``.
-        hint: what to do about it (the text after ``help:``).
-    """
-    return ConfigError(f"{where} {problem} - help: {hint}")
-
-
-def check_int(
-    where: str,
-    value: object,
-    *,
-    minimum: int | None = None,
-    maximum: int | None = None,
-    hint: str = "",
-) -> int:
-    """Return ``value`` if it is an int (not a bool) within [minimum, maximum]; else ConfigError."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise config_error(
-            where, f"must be an integer, got {value!r}", hint or "write a whole number"
-        )
-    if minimum is not None and value < minimum:
-        raise config_error(
-            where, f"must be >= {minimum}, got {value}", hint or f"use {minimum} or more"
-        )
-    if maximum is not None and value > maximum:
-        raise config_error(
-            where, f"must be <= {maximum}, got {value}", hint or f"use {maximum} or less"
-        )
-    return value
-
-
-def check_probability(
-    where: str, value: object, *, allow_zero: bool = True, hint: str = ""
-) -> float:
-    """Return ``value`` as a float if it is a number in [0, 1] (or (0, 1]); else ConfigError."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise config_error(
-            where, f"must be a number between 0 and 1, got {value!r}", hint or "write e.g. 0.15"
-        )
-    low_ok = value >= 0 if allow_zero else value > 0
-    if not low_ok or value > 1:
-        bounds = "[0, 1]" if allow_zero else "(0, 1]"
-        raise config_error(where, f"must be in {bounds}, got {value}", hint or "write e.g. 0.15")
-    return float(value)
-
-
-def check_bool(where: str, value: object) -> bool:
-    """Return ``value`` if it is a bool (YAML ``true``/``false``); else ConfigError."""
-    if not isinstance(value, bool):
-        raise config_error(where, f"must be true or false, got {value!r}", "write true or false")
-    return value
-
-
-def check_text(where: str, value: object, *, allow_empty: bool = False, hint: str = "") -> str:
-    """Return ``value`` if it is a string (non-empty unless allowed); else ConfigError."""
-    if not isinstance(value, str) or (not allow_empty and not value.strip()):
-        raise config_error(
-            where, f"must be a non-empty string, got {value!r}", hint or "write a name"
-        )
-    return value
-
-
-def check_choice(where: str, value: object, choices: Sequence[str]) -> str:
-    """Return ``value`` if it is one of ``choices``; else ConfigError listing them."""
-    if value not in choices:
-        options = ", ".join(repr(choice) for choice in choices)
-        raise config_error(
-            where, f"must be one of {options}, got {value!r}", f"pick one of {options}"
-        )
-    return str(value)
-
-
-def _check_keys(cls: type, data: object, where: str) -> dict[str, Any]:
-    """Check that ``data`` is a mapping whose keys are fields of ``cls``; return it as a dict."""
-    if not isinstance(data, Mapping):
-        raise config_error(
-            where, f"must be a mapping, got {type(data).__name__}", "write `key: value` lines"
-        )
-    names = [field.name for field in dataclasses.fields(cls)]
-    for key in data:
-        if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(names)}"
-            raise config_error(f"{where}.{key}", "is not a known setting", hint)
-    return dict(data)
-
-
-def _as_tuple(where: str, value: object) -> tuple[Any, ...]:
-    """YAML lists become tuples (frozen dataclasses hold tuples); a single string is one item."""
-    if isinstance(value, str):
-        return (value,)
-    if isinstance(value, (list, tuple)):
-        return tuple(value)
-    raise config_error(where, f"must be a list, got {value!r}", "write a YAML list: [a, b]")
-
-
-# --- files --------------------------------------------------------------------------------------
-
-
-def load_config_file(path: str | Path) -> dict[str, Any]:
-    """Read a run configuration file (``.yaml``/``.yml`` or ``.json``) into a dict.
-
-    Raises:
-        ConfigError: the file is missing, unreadable, not valid YAML/JSON, or not a mapping.
-    """
-    file = Path(path)
-    try:
-        text = file.read_text(encoding="utf-8")
-    except OSError as error:
-        raise config_error(
-            str(file), f"cannot be read ({error.strerror or error})", "check the path"
-        ) from None
-    try:
-        data = json.loads(text) if file.suffix == ".json" else yaml.safe_load(text)
-    except (ValueError, yaml.YAMLError) as error:
-        raise config_error(
-            str(file), f"is not valid YAML/JSON: {error}", "fix the syntax at that line"
-        ) from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise config_error(str(file), "must hold a mapping of sections", "start with e.g. `data:`")
-    return data
-
-
-def read_section(path: str | Path, section: str) -> dict[str, Any]:
-    """The ``section:`` mapping of a run configuration file (empty if the section is absent)."""
-    data = load_config_file(path).get(section) or {}
-    if not isinstance(data, dict):
-        raise config_error(
-            f"{path}: {section}", "must be a mapping", f"write `{section}:` then indented keys"
-        )
-    return data
 
 
 # --- tokenizer: -----------------------------------------------------------------------------
@@ -428,20 +272,3 @@ class DataConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (lists of dicts for sources) that ``from_dict`` reads back."""
         return _to_plain(self)
-
-
-def _to_plain(section: object) -> dict[str, Any]:
-    """A dataclass as plain dicts/lists, the shape YAML and JSON write."""
-
-    def plain(value: Any) -> Any:
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            return {
-                field.name: plain(getattr(value, field.name)) for field in dataclasses.fields(value)
-            }
-        if isinstance(value, (list, tuple)):
-            return [plain(item) for item in value]
-        return value
-
-    result = plain(section)
-    assert isinstance(result, dict)
-    return result
