@@ -383,3 +383,17 @@ class GroupMismatch(RemoteProtocolError):
 
     The round is aborted on the peer that sees it: its tensors stay as they were.
     """
+
+
+# --- optimizer ------------------------------------------------------------------------------
+
+
+class StateDownloadFailed(TransientError):
+    """The training state could not be downloaded from peers (in time, or verified)."""
+
+
+# --- netsim (kit.testing.netsim) ----------------------------------------------------------------
+
+
+class NetnsUnavailable(KitError):
+    """Network namespaces cannot be built here (not root, or iproute2/nftables missing/failing)."""
