@@ -80,7 +80,9 @@ async def kit_receiver(initial_peers: list[str], client_mode: bool, relay: bool)
     from kit.p2p.peer import create_peer
     from kit.p2p.tensors import receive_tensor
 
-    peer = await create_peer(initial_peers, run_id="bench", client_mode=client_mode, relay_service=relay)
+    peer = await create_peer(
+        initial_peers, run_id="bench", client_mode=client_mode, relay_service=relay
+    )
 
     async def sink(stream):  # type: ignore[no-untyped-def]
         while (received := await receive_tensor(stream, timeout=60)) is not None:
@@ -137,12 +139,20 @@ def spawn(*args: str) -> tuple[subprocess.Popen[str], str]:
 
 
 def measure(*args: str) -> list[float]:
-    output = subprocess.run([sys.executable, __file__, *args], stdout=subprocess.PIPE, text=True, timeout=600, check=True)
+    output = subprocess.run(
+        [sys.executable, __file__, *args],
+        stdout=subprocess.PIPE,
+        text=True,
+        timeout=600,
+        check=True,
+    )
     return json.loads(output.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--size-mb", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--role", default="main", help=argparse.SUPPRESS)
@@ -171,7 +181,9 @@ def main() -> None:
             direct = measure("--role", "kit-sender", "--target", address, *common)
             relay, relay_address = spawn("--role", "kit-relay")
             processes.append(relay)
-            client, relayed_address = spawn("--role", "kit-relayed-receiver", "--target", relay_address)
+            client, relayed_address = spawn(
+                "--role", "kit-relayed-receiver", "--target", relay_address
+            )
             processes.append(client)
             relayed = measure("--role", "kit-sender", "--target", relayed_address, *common)
         finally:

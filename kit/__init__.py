@@ -8,10 +8,40 @@ Map of the package (data flows down this list; each room imports only rooms abov
                      multiplexed streams, relays for peers behind NAT
     dht/             Kademlia DHT with hivemind's store/get semantics
     averaging/       butterfly all-reduce, load-balancing LP, compression codecs
+    optim/           kit.Optimizer: DeDLOC's collaborative optimizer, progress, state sharing
     data/            streaming tokenization pipeline, ALBERT MLM+SOP examples, tokenizer recipe
     cli.py           the ``kit`` command
 
 Importing kit does nothing global: no threads, no logging configuration, no network.
 """
 
+from typing import Any
+
 __version__ = "0.1.0"
+
+# hivemind's top-level names, so a hivemind script ports by changing its imports. Loaded lazily
+# (PEP 562): ``import kit`` imports neither torch nor the network stack.
+_EXPORTS = {
+    "DHT": "kit.dht",
+    "get_dht_time": "kit.dht",
+    "Optimizer": "kit.optim",
+    "DecentralizedAverager": "kit.averaging.averager",
+    "NoCompression": "kit.averaging.compression",
+    "Float16Compression": "kit.averaging.compression",
+    "ScaledFloat16Compression": "kit.averaging.compression",
+    "Uniform8BitQuantization": "kit.averaging.compression",
+    "Quantile8BitQuantization": "kit.averaging.compression",
+    "BlockwiseQuantization": "kit.averaging.compression",
+    "SizeAdaptiveCompression": "kit.averaging.compression",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'kit' has no attribute {name!r}")
+
+
+__all__ = sorted(_EXPORTS)

@@ -2,12 +2,23 @@
 
 Pure cores (no networking, no clocks), in dependency order:
 
-    compression.py   codecs with hivemind's wire ids and byte layouts, validated on receipt
-    balancing.py     which share of the vector each peer aggregates (DeDLOC's LP)
-    partition.py     tensors -> parts -> chunks, the aggregator's reducer, the round report
+    compression.py         codecs with hivemind's wire ids and byte layouts, validated on receipt
+    balancing.py           which share of the vector each peer aggregates (DeDLOC's LP)
+    partition.py           tensors -> parts -> chunks, the aggregator's reducer, the round report
+    matchmaking.py         who averages with whom: the group-assembly state machine
+    group.py               the assembled group and the join messages, as they travel
 
-The codec classes are re-exported here (lazily) under hivemind's names, so that
-``from kit.averaging import Float16Compression`` reads like hivemind scripts do.
+With I/O (asyncio, over ``kit.p2p`` streams and ``kit.dht``):
+
+    chunk_stream.py        how one chunk travels on a stream, and the buffers it lands in
+    allreduce.py           one peer's side of one butterfly all-reduce round
+    matchmaking_driver.py  the state machine's driver (DHT, join streams), the stream router
+    settings.py            the averager's settings
+    averager.py            ``DecentralizedAverager`` (blocking) over ``AsyncAverager`` (asyncio)
+
+The public classes are re-exported here (lazily) under hivemind's names, so that
+``from kit.averaging import DecentralizedAverager, Float16Compression`` reads like hivemind
+scripts do.
 """
 
 from __future__ import annotations
@@ -32,10 +43,21 @@ _CODEC_NAMES = frozenset(
 )
 
 
+_AVERAGER_NAMES = frozenset({"AsyncAverager", "DecentralizedAverager", "RoundResult"})
+
+
 def __getattr__(name: str) -> Any:
     # Lazy (PEP 562): importing a torch-free submodule of kit.averaging must not import torch.
     if name in _CODEC_NAMES:
         from kit.averaging import compression
 
         return getattr(compression, name)
+    if name in _AVERAGER_NAMES:
+        from kit.averaging import averager
+
+        return getattr(averager, name)
+    if name == "AveragerSettings":
+        from kit.averaging import settings
+
+        return settings.AveragerSettings
     raise AttributeError(f"module 'kit.averaging' has no attribute {name!r}")

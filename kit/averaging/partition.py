@@ -222,12 +222,15 @@ class PartReducer:
         part_index: int,
         senders: Mapping[Any, float],
         round_id: Hashable,
+        accumulator: torch.Tensor | None = None,
     ) -> None:
         """Args:
             plan: the round's plan (the same on every peer).
             part_index: the part this peer aggregates.
             senders: every peer expected to send this part, with its weight (e.g. samples).
             round_id: what every chunk of this round carries (e.g. the group id).
+            accumulator: a float32 CPU buffer of at least the part's size to reuse (it is
+                zeroed); None allocates one.
 
         Raises:
             ConfigError: a weight is not a positive finite number.
@@ -245,7 +248,18 @@ class PartReducer:
         self.plan, self.part_index, self.round_id = plan, part_index, round_id
         self.chunks = plan.parts[part_index]
         self.weights = dict(senders)
-        self.accumulator = torch.zeros(plan.part_sizes[part_index], dtype=torch.float32)
+        size = plan.part_sizes[part_index]
+        if accumulator is None:
+            self.accumulator = torch.zeros(size, dtype=torch.float32)
+        elif (
+            accumulator.dtype != torch.float32 or accumulator.dim() != 1 or len(accumulator) < size
+        ):
+            raise KitUsageError(
+                "the accumulator must be a 1-D float32 tensor of at least the part's size"
+                " - help: pass None to allocate one"
+            )
+        else:
+            self.accumulator = accumulator[:size].zero_()
         self.weight_sums = [0.0] * len(self.chunks)
         self.delivered: list[set[Hashable]] = [set() for _ in self.chunks]
         self.resolved = [0] * len(self.chunks)  # senders delivered, rejected or excluded
@@ -268,20 +282,7 @@ class PartReducer:
                 (nothing changes); or wrong size, dtype, or NaN/inf values (the chunk is
                 dropped for this sender and the round goes on without it).
         """
-        if sender not in self.next_chunk or sender in self.excluded:
-            raise InvalidChunk(
-                "sender", f"{sender!r} is not an active sender of part {self.part_index}"
-            )
-        if round_id != self.round_id or part_index != self.part_index:
-            raise InvalidChunk(
-                "round" if round_id != self.round_id else "part",
-                f"{sender!r} sent round {round_id!r} part {part_index}, "
-                f"expected round {self.round_id!r} part {self.part_index}",
-            )
-        expected = self.next_chunk[sender]
-        if chunk_index != expected or chunk_index >= len(self.chunks):
-            raise InvalidChunk("order", f"{sender!r} sent chunk {chunk_index}, expected {expected}")
-        self.next_chunk[sender] += 1
+        self._take_slot(sender, round_id, part_index, chunk_index)
         spec = self.chunks[chunk_index]
         dtype = self.plan.tensors[spec.tensor_index].dtype
         where = f"chunk {chunk_index} from {sender!r}"
@@ -302,6 +303,37 @@ class PartReducer:
         self.weight_sums[chunk_index] += weight
         self.delivered[chunk_index].add(sender)
         return self._resolve(chunk_index)
+
+    def reject(
+        self, sender: Hashable, round_id: Hashable, part_index: int, chunk_index: int
+    ) -> tuple[int, ...]:
+        """Drop ``sender``'s chunk (it could not be decoded); return the chunks this completed.
+
+        The chunk is averaged without this sender, as for a chunk ``accept`` refuses.
+
+        Raises:
+            InvalidChunk: unknown or excluded sender, other round or part, out of order.
+        """
+        self._take_slot(sender, round_id, part_index, chunk_index)
+        return self._resolve(chunk_index)
+
+    def _take_slot(
+        self, sender: Hashable, round_id: Hashable, part_index: int, chunk_index: int
+    ) -> None:
+        if sender not in self.next_chunk or sender in self.excluded:
+            raise InvalidChunk(
+                "sender", f"{sender!r} is not an active sender of part {self.part_index}"
+            )
+        if round_id != self.round_id or part_index != self.part_index:
+            raise InvalidChunk(
+                "round" if round_id != self.round_id else "part",
+                f"{sender!r} sent round {round_id!r} part {part_index}, "
+                f"expected round {self.round_id!r} part {self.part_index}",
+            )
+        expected = self.next_chunk[sender]
+        if chunk_index != expected or chunk_index >= len(self.chunks):
+            raise InvalidChunk("order", f"{sender!r} sent chunk {chunk_index}, expected {expected}")
+        self.next_chunk[sender] += 1
 
     def exclude(self, sender: Hashable) -> tuple[int, ...]:
         """Stop waiting for ``sender`` (too slow, or banned); return the chunks this completed.

@@ -1,0 +1,509 @@
+"""One butterfly all-reduce round of one peer in an assembled group, over ``kit.p2p`` streams.
+
+Holds ``AllReduceRunner`` (this peer's side of one round: it streams its vector's parts to their
+aggregators, aggregates its own part from everyone, and writes the averages back) and its
+``Timeouts``. It does not hold group assembly (``matchmaking``), the bookkeeping of chunks
+(``partition``) or how a chunk travels and is checked (``chunk_stream``).
+
+Butterfly all-reduce (DeDLOC §3.2, hivemind's ``AllReduceRunner``): peer i of the group owns part
+i of the flat vector. Every sender opens one stream to each other aggregator and sends that
+part's chunks in order; the aggregator adds each chunk, weighted, to a float32 accumulator, and as
+soon as a chunk has been received from every sender, streams its average back on every sender's
+stream. Sending, summing and receiving overlap. A client-mode peer dials aggregators (through a
+relay if need be) and aggregates nothing; an auxiliary peer aggregates and sends nothing.
+
+Stream ``kit/averaging/allreduce/1`` (sender -> aggregator, both ways on one stream)::
+
+    sender:     {prefix, group_id, group_hash, part}   then per chunk: {chunk, tensor header} payload
+    aggregator: per chunk: {chunk, peers (bit i = member i is in this average), tensor header}
+                payload (none when peers = 0)
+
+What is honest here: a sender that stops is excluded from the chunks it had not delivered (the
+others' weights renormalised, ``PartReducer``); a part whose aggregator fails before its last
+chunk is left at the local values (all or nothing, so no peer holds a half-averaged part);
+a part the aggregator cannot finish before the deadline is left local everywhere too; averages
+are written into the tensors only when the round ends, so an aborted round changes nothing; and
+the ``RoundReport`` lists, per chunk, exactly whom it was averaged over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from kit.averaging.chunk_stream import (
+    PROTOCOL,
+    RoundBuffers,
+    decode_chunk,
+    is_raw,
+    payload_bound,
+    receive_header,
+    receive_into,
+    tensor_header,
+)
+from kit.averaging.compression import CompressionBase, is_finite
+from kit.averaging.group import GroupInfo
+from kit.averaging.partition import ChunkSpec, PartitionPlan, PartReducer, PartReport, RoundReport
+from kit.errors import (
+    GroupMismatch,
+    InvalidChunk,
+    InvalidTensor,
+    KitTimeout,
+    NonFiniteLocalTensor,
+    PeerError,
+    PeerUnavailable,
+    RemoteError,
+    RemoteProtocolError,
+)
+from kit.p2p import wire
+from kit.p2p.api import PeerAPI, StreamAPI
+from kit.p2p.identity import PeerID
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """How long each side of a round waits (seconds) before it gives up on the other."""
+
+    connect: float  # opening a stream to an aggregator
+    sender: float  # an aggregator waits this long for a sender's next chunk, then excludes it
+    reducer: float  # a sender waits this long for an aggregator's next average, then drops the part
+    deadline: float | None  # loop time at which the whole round stops (allreduce_timeout)
+
+
+class AllReduceRunner:
+    """This peer's side of one round. Create it, register it for incoming streams, ``run`` it."""
+
+    def __init__(
+        self,
+        peer: PeerAPI,
+        prefix: str,
+        group: GroupInfo,
+        tensors: Sequence[torch.Tensor],
+        plan: PartitionPlan,
+        compression: CompressionBase,
+        timeouts: Timeouts,
+        buffers: RoundBuffers,
+    ) -> None:
+        me = group.index(peer.peer_id)
+        assert me is not None, "the runner's peer must be a member of the group"
+        self.peer, self.prefix, self.group, self.me = peer, prefix, group, me
+        self.tensors, self.plan, self.compression = list(tensors), plan, compression
+        self.timeouts, self.buffers = timeouts, buffers
+        self.sends = not group.auxiliary[me]
+        self.staging = buffers.staging_for(self.tensors) if self.sends else []
+        self.reducer: PartReducer | None = None
+        if plan.part_sizes[me] > 0:
+            senders = {group.peers[i]: group.weights[i] for i in group.senders}
+            accumulator = buffers.accumulator_for(plan.part_sizes[me])
+            self.reducer = PartReducer(plan, me, senders, group.group_id, accumulator)
+        self.sender_bits = {group.peers[i]: 1 << i for i in group.senders}
+        n_chunks = len(plan.parts[me])
+        self._averaged: list[tuple[bytes, memoryview | None] | None] = [None] * n_chunks
+        self._ready = 0  # chunks 0.._ready-1 of our part are averaged and encoded
+        self._progress = asyncio.Event()
+        self._connected: set[PeerID] = set()  # senders that opened a stream (or were excluded)
+        self._writers: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._aborted: str | None = None
+        self._finished = False
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    # --- the round ----------------------------------------------------------------------------
+
+    async def run(self) -> RoundReport:
+        """Run the round until every part is done or the deadline; return what was averaged.
+
+        Raises:
+            GroupMismatch: a member disagreed about the group; nothing was written.
+        """
+        try:
+            exchanges = {
+                k: self._spawn(self._exchange_part(k))
+                for k in range(len(self.group))
+                if k != self.me and self.plan.part_sizes[k] > 0 and self.sends
+            }
+            reducing = self._spawn(self._reduce()) if self.reducer is not None else None
+            waiting = set(exchanges.values()) | ({reducing} if reducing is not None else set())
+            if waiting:
+                await asyncio.wait(waiting, timeout=self._remaining())
+            if self._aborted is not None:
+                raise GroupMismatch(f"round aborted: {self._aborted}")
+            parts = [self._report(k, exchanges.get(k)) for k in range(len(self.group))]
+            self._commit(parts)
+            return RoundReport(tuple(parts))
+        finally:
+            self._finished = True
+            await cancel_and_wait(list(self._tasks), 1.0)
+
+    def _remaining(self, timeout: float | None = None) -> float | None:
+        deadline = self.timeouts.deadline
+        if deadline is None:
+            return timeout
+        left = max(0.0, deadline - asyncio.get_running_loop().time())
+        return left if timeout is None else min(left, timeout)
+
+    def _spawn(self, work: Awaitable[T]) -> asyncio.Task[T]:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(_retrieve)
+        return task
+
+    def _abort(self, reason: str) -> None:
+        logger.warning("averaging round %s aborted: %s", self.group.group_id.hex()[:8], reason)
+        self._aborted = reason
+        for task in list(self._tasks):
+            if task is not asyncio.current_task():
+                task.cancel()
+
+    def _report(self, k: int, exchange: asyncio.Task[Any] | None) -> PartReport:
+        senders = frozenset(self.group.peers[i] for i in self.group.senders)
+        if k == self.me:
+            reducer = self.reducer
+            if reducer is None:
+                return PartReport(k, senders, ())
+            if all(reducer.is_complete(c) for c in range(len(reducer.chunks))):
+                return reducer.report()
+            # Cut off by the deadline: the senders will not get the rest either, so nobody
+            # writes this part (all or nothing, as for a part whose aggregator failed).
+            return PartReport.missing(k, senders, len(reducer.chunks))
+        if exchange is None:  # an empty part, or an auxiliary peer's (it has no values)
+            return PartReport(k, senders, ())
+        if exchange.done() and not exchange.cancelled() and exchange.exception() is None:
+            report: PartReport = exchange.result()
+            return report
+        return PartReport.missing(k, senders, len(self.plan.parts[k]))
+
+    def _commit(self, parts: Sequence[PartReport]) -> None:
+        """Write the averages into the tensors, now that the round is over (all or nothing)."""
+        if not self.sends:
+            return  # auxiliary peers hold no values of their own
+        for part in parts:
+            for spec, peers in zip(self.plan.parts[part.part_index], part.chunk_peers, strict=True):
+                if not peers:
+                    continue
+                target = self.plan.chunk_view(self.tensors, spec)
+                if part.part_index == self.me:
+                    assert self.reducer is not None
+                    averaged = self.reducer.averaged(spec.chunk_index)
+                    if averaged is not None:
+                        target.copy_(averaged)
+                else:
+                    staged = self.staging[spec.tensor_index]
+                    target.copy_(staged[spec.tensor_offset : spec.tensor_offset + spec.size])
+
+    # --- sender side: one stream per aggregator --------------------------------------------------
+
+    async def _exchange_part(self, k: int) -> PartReport:
+        aggregator = self.group.peers[k]
+        try:
+            stream = await self.peer.open_stream(
+                aggregator, PROTOCOL, timeout=self.timeouts.connect
+            )
+        except PeerUnavailable:
+            self._unreachable(aggregator)
+            raise
+        sending: asyncio.Task[None] | None = None
+        try:
+            header = {
+                "prefix": self.prefix,
+                "group_id": self.group.group_id,
+                "group_hash": self.group.hash,
+                "part": k,
+            }
+            await stream.send_message(
+                wire.packb(header), timeout=self._remaining(self.timeouts.connect)
+            )
+            sending = self._spawn(self._send_part(stream, k))
+            chunk_peers = await self._receive_averages(stream, k)
+            await asyncio.wait_for(sending, self._remaining(self.timeouts.reducer))
+        except BaseException as e:
+            if sending is not None:
+                sending.cancel()
+            stream.reset("cancelled", type(e).__name__)
+            if isinstance(e, PeerUnavailable):  # its connection is gone: it will not send either
+                self._unreachable(aggregator)
+            if isinstance(e, RemoteError) and "GroupMismatch" in e.message:
+                self._abort(f"aggregator {aggregator.short()} sees another group: {e.message}")
+            elif isinstance(e, PeerError | KitTimeout | asyncio.TimeoutError):
+                logger.info("part %d from %s dropped: %s", k, aggregator.short(), e)
+            raise
+        senders = frozenset(self.group.peers[i] for i in self.group.senders)
+        return PartReport(k, senders, chunk_peers)
+
+    def _unreachable(self, member: PeerID) -> None:
+        """``member`` cannot be reached: if it has not streamed to us yet, it never will."""
+        reducer = self.reducer
+        if reducer is not None and member in reducer.weights and member not in self._connected:
+            logger.info("excluding %s from part %d: unreachable", member.short(), self.me)
+            self._connected.add(member)
+            self._completed(reducer.exclude(member))
+
+    async def _send_part(self, stream: StreamAPI, k: int) -> None:
+        try:
+            await self._send_chunks(stream, k)
+        except BaseException as e:  # the aggregator must not wait for the rest
+            stream.reset("cancelled", type(e).__name__)
+            if isinstance(e, NonFiniteLocalTensor):
+                logger.warning("part %d not sent: this peer's tensors hold NaN or inf", k)
+            raise
+
+    async def _send_chunks(self, stream: StreamAPI, k: int) -> None:
+        for spec, view in self.plan.iter_part(self.tensors, k):
+            serialized = self.compression.compress(view, self.plan.compression_info(spec))
+            payload = memoryview(serialized.buffer).cast("B")
+            chunk_header = {"chunk": spec.chunk_index, **serialized.header()}
+            timeout = self._remaining(self.timeouts.reducer)
+            await stream.send_message(wire.packb(chunk_header), timeout=timeout)
+            await stream.send_message(payload, timeout=timeout)
+            self.bytes_sent += len(payload)
+        await stream.close()
+
+    async def _receive_averages(self, stream: StreamAPI, k: int) -> tuple[frozenset[PeerID], ...]:
+        chunk_peers = []
+        allowed = sum(self.sender_bits.values())
+        for spec in self.plan.parts[k]:
+            timeout = self._remaining(self.timeouts.reducer)
+            header = await receive_header(stream, timeout)
+            mask = None if header is None else header.get("peers")
+            if header is None or header["chunk"] != spec.chunk_index:
+                raise RemoteProtocolError(f"expected the average of chunk {spec.chunk_index}")
+            if not isinstance(mask, int) or isinstance(mask, bool) or mask & ~allowed or mask < 0:
+                raise RemoteProtocolError(f"chunk {spec.chunk_index}: bad peer set {mask!r:.40}")
+            if mask:
+                await self._receive_average(stream, header, spec, timeout)
+            chunk_peers.append(frozenset(p for p, bit in self.sender_bits.items() if mask & bit))
+        return tuple(chunk_peers)
+
+    async def _receive_average(
+        self, stream: StreamAPI, header: dict[str, Any], spec: ChunkSpec, timeout: float | None
+    ) -> None:
+        dtype = self.plan.tensors[spec.tensor_index].dtype
+        target = self.staging[spec.tensor_index][
+            spec.tensor_offset : spec.tensor_offset + spec.size
+        ]
+        codec_header = tensor_header(header, spec, payload_bound(spec, dtype.itemsize))
+        if is_raw(codec_header, spec, dtype):
+            await receive_into(stream, target.view(torch.uint8).numpy().data, timeout)
+            self.bytes_received += codec_header["nbytes"]
+            if not is_finite(target):
+                raise InvalidTensor(f"the average of chunk {spec.chunk_index} holds NaN or inf")
+            return
+        buffer = self.buffers.take(codec_header["nbytes"])
+        try:
+            view = memoryview(buffer)[: codec_header["nbytes"]]
+            await receive_into(stream, view, timeout)
+            self.bytes_received += len(view)
+            values = decode_chunk(codec_header, view, spec, dtype)
+        finally:
+            self.buffers.give_back(buffer)
+        target.copy_(values)
+
+    # --- aggregator side -----------------------------------------------------------------------
+
+    async def _reduce(self) -> None:
+        """Add this peer's own chunks, exclude senders that never connect, and wait until every
+        average has gone out on every sender's stream."""
+        reducer = self.reducer
+        assert reducer is not None
+        me = self.group.peers[self.me]
+        gid = self.group.group_id
+        if self.sends:
+            for spec, view in self.plan.iter_part(self.tensors, self.me):
+                try:
+                    completed = reducer.accept(me, gid, self.me, spec.chunk_index, view)
+                except InvalidChunk as e:  # NaN/inf in our own tensor: averaged without us
+                    logger.warning("own chunk %d not averaged: %s", spec.chunk_index, e.message)
+                    completed = e.completed
+                self._completed(completed)
+                if spec.chunk_index % 16 == 15:
+                    await asyncio.sleep(0)  # let streams in while our own part is summed
+        while self._ready < len(self._averaged):
+            try:
+                await self._wait_progress(self._ready, self._remaining(self.timeouts.sender))
+            except asyncio.TimeoutError:
+                if self._remaining() == 0:
+                    return
+                # Senders that never opened a stream are gone (or never got the group); those
+                # that did are timed out by their own readers.
+                for sender in [p for p in reducer.weights if p not in self._connected and p != me]:
+                    logger.info(
+                        "excluding %s from part %d: it sent nothing", sender.short(), self.me
+                    )
+                    self._connected.add(sender)
+                    self._completed(reducer.exclude(sender))
+        if self._writers:
+            await asyncio.wait(list(self._writers), timeout=self._remaining())
+
+    def _completed(self, chunks: Sequence[int]) -> None:
+        """These chunks of our part are averaged: encode each once for every sender's stream."""
+        if not chunks:
+            return
+        for chunk in chunks:
+            self._averaged[chunk] = self._encode_average(chunk)
+        while self._ready < len(self._averaged) and self._averaged[self._ready] is not None:
+            self._ready += 1
+        progress, self._progress = self._progress, asyncio.Event()
+        progress.set()  # wakes every waiter of this generation; later waiters get the new event
+
+    async def _wait_progress(self, ready: int, timeout: float | None) -> None:
+        """Wait until more than ``ready`` chunks are averaged (asyncio.TimeoutError after timeout)."""
+        while self._ready <= ready:
+            await asyncio.wait_for(self._progress.wait(), timeout)
+
+    def _encode_average(self, chunk: int) -> tuple[bytes, memoryview | None]:
+        assert self.reducer is not None
+        spec = self.reducer.chunks[chunk]
+        averaged = self.reducer.averaged(chunk)
+        mask = 0
+        for sender in self.reducer.delivered[chunk]:
+            mask |= self.sender_bits[sender]  # type: ignore[index]
+        if averaged is None:
+            return wire.packb({"chunk": chunk, "peers": 0}), None
+        dtype = self.plan.tensors[spec.tensor_index].dtype
+        values = averaged if dtype == torch.float32 else averaged.to(dtype)
+        try:
+            serialized = self.compression.compress(values, self.plan.compression_info(spec))
+        except NonFiniteLocalTensor:  # the weighted sum overflowed: nobody gets this chunk
+            return wire.packb({"chunk": chunk, "peers": 0}), None
+        header = wire.packb({"chunk": chunk, "peers": mask, **serialized.header()})
+        return header, memoryview(serialized.buffer).cast("B")
+
+    async def serve(self, stream: StreamAPI, header: dict[str, Any]) -> None:
+        """Serve one sender's stream (its header already read by the averager's router).
+
+        Raises:
+            GroupMismatch: the sender's group hash differs from ours (this round is aborted).
+            RemoteProtocolError: the stream does not belong in this round.
+        """
+        sender = stream.remote_peer
+        reducer = self.reducer
+        if header.get("group_hash") != self.group.hash:
+            self._abort(f"{sender.short()} sees another group (hash mismatch)")
+            raise GroupMismatch(f"{sender.short()} sent another group hash")
+        if reducer is None or header.get("part") != self.me or sender not in reducer.weights:
+            raise RemoteProtocolError(f"{sender.short()} is not a sender of part {self.me}")
+        if sender in self._connected or self._finished:
+            raise RemoteProtocolError(f"{sender.short()} cannot stream part {self.me} now")
+        self._connected.add(sender)
+        # The work is the runner's task, not this handler's: a connection that drops cancels
+        # its handlers, and the sender must still be excluded then.
+        serving = self._spawn(self._serve_sender(stream, sender))
+        await asyncio.wait({serving}, timeout=self._remaining())
+
+    async def _serve_sender(self, stream: StreamAPI, sender: PeerID) -> None:
+        reducer = self.reducer
+        assert reducer is not None
+        writing = self._spawn(self._write_averages(stream))
+        self._writers.add(writing)
+        writing.add_done_callback(self._writers.discard)
+        try:
+            await self._read_sender(stream, sender)
+        except (PeerError, KitTimeout, asyncio.TimeoutError) as e:
+            logger.info("excluding %s from part %d: %s", sender.short(), self.me, e)
+            writing.cancel()
+            stream.reset("cancelled", "excluded from the round")
+            self._completed(reducer.exclude(sender))
+            return
+        await asyncio.wait({writing}, timeout=self._remaining())
+        if not writing.done() or writing.cancelled() or writing.exception() is not None:
+            writing.cancel()
+            stream.reset("cancelled", "the averages could not be sent")
+
+    async def _read_sender(self, stream: StreamAPI, sender: PeerID) -> None:
+        reducer = self.reducer
+        assert reducer is not None
+        for spec in reducer.chunks:
+            dtype = self.plan.tensors[spec.tensor_index].dtype
+            timeout = self._remaining(self.timeouts.sender)
+            header = await receive_header(stream, timeout)
+            if header is None:
+                raise RemoteProtocolError(f"{sender.short()} ended its part early")
+            codec_header = tensor_header(header, spec, payload_bound(spec, dtype.itemsize))
+            buffer = self.buffers.take(codec_header["nbytes"])
+            try:
+                view = memoryview(buffer)[: codec_header["nbytes"]]
+                await receive_into(stream, view, timeout)
+                self.bytes_received += len(view)
+                completed = self._add_chunk(sender, header["chunk"], codec_header, buffer, spec)
+            finally:
+                self.buffers.give_back(buffer)
+            self._completed(completed)
+
+    def _add_chunk(
+        self,
+        sender: PeerID,
+        chunk: int,
+        header: dict[str, Any],
+        buffer: bytearray,
+        spec: ChunkSpec,
+    ) -> tuple[int, ...]:
+        """Decode one received chunk and add it; a chunk that fails a check is dropped alone."""
+        reducer = self.reducer
+        assert reducer is not None
+        gid, dtype = self.group.group_id, self.plan.tensors[spec.tensor_index].dtype
+        try:
+            if is_raw(header, spec, dtype):
+                values = torch.frombuffer(buffer, dtype=dtype, count=spec.size)
+            else:
+                payload = memoryview(buffer)[: header["nbytes"]]
+                values = decode_chunk(header, payload, spec, dtype)
+        except InvalidTensor as e:
+            logger.info("chunk %d from %s rejected: %s", chunk, sender.short(), e)
+            return reducer.reject(sender, gid, self.me, chunk)
+        try:
+            return reducer.accept(sender, gid, self.me, chunk, values)
+        except InvalidChunk as e:
+            if e.reason not in ("size", "dtype", "non_finite"):
+                raise  # out of order, or not a sender: the stream is broken
+            logger.info("chunk from %s rejected: %s", sender.short(), e.message)
+            return e.completed
+
+    async def _write_averages(self, stream: StreamAPI) -> None:
+        for chunk in range(len(self._averaged)):
+            if chunk >= self._ready:
+                try:
+                    await self._wait_progress(chunk, self._remaining(self.timeouts.reducer))
+                except asyncio.TimeoutError:
+                    raise KitTimeout(f"no average of chunk {chunk} in time") from None
+            average = self._averaged[chunk]
+            assert average is not None
+            header, payload = average
+            timeout = self._remaining(self.timeouts.sender)
+            await stream.send_message(header, timeout=timeout)
+            if payload is not None:
+                await stream.send_message(payload, timeout=timeout)
+                self.bytes_sent += len(payload)
+        await stream.close()
+
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any]], timeout: float) -> None:
+    """Cancel ``tasks`` and wait (at most ``timeout``) until they are done.
+
+    Cancels again every 10 ms: on Python <= 3.11 ``asyncio.wait_for`` can swallow a cancellation
+    that arrives as its inner future completes (CPython gh-86296), and the task then runs on.
+    """
+    pending = {task for task in tasks if not task.done()}
+    give_up = asyncio.get_running_loop().time() + timeout
+    while pending:
+        for task in pending:
+            task.cancel()
+        left = give_up - asyncio.get_running_loop().time()
+        if left <= 0:
+            break
+        _, pending = await asyncio.wait(pending, timeout=min(0.01, left))
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # failures are reported through the round's report, not the log

@@ -1,0 +1,396 @@
+"""The async side of matchmaking: DHT declarations, join streams, and the per-peer stream router.
+
+Holds ``MatchmakingDriver`` (runs the pure ``Matchmaker`` of ``kit.averaging.matchmaking``: it
+publishes and polls declarations in the DHT, asks leaders on ``kit/averaging/join/1`` streams,
+answers followers, and, as a leader, solves the load-balancing LP and announces the group) and
+``AveragingRouter`` (one per peer: serves the join and all-reduce protocols and hands each stream
+to the averager of its prefix, so several averagers share one peer). It does not decide anything
+itself: every decision is the state machine's.
+
+A follower's join stream stays open until the leader sends the group (or releases it): a follower
+that goes away is noticed by the leader at once, and a leader that goes away by its followers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import weakref
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+from kit.averaging.allreduce import cancel_and_wait
+from kit.averaging.balancing import load_balance_peers
+from kit.averaging.chunk_stream import PROTOCOL as ALLREDUCE_PROTOCOL
+from kit.averaging.group import (
+    GROUP_ID_BYTES,
+    MAX_MESSAGE,
+    GroupInfo,
+    decode_join_request,
+    decode_leader_message,
+    encode_answer,
+    encode_begin,
+    encode_join_request,
+    encode_release,
+)
+from kit.averaging.matchmaking import (
+    FINAL_PHASES,
+    Action,
+    AskLeader,
+    Begin,
+    Declaration,
+    Matchmaker,
+    MatchmakingSettings,
+    MemberInfo,
+    Phase,
+    Refusal,
+    Release,
+)
+from kit.dht.node import DHTNode, get_dht_time
+from kit.errors import KitError, KitTimeout, PeerError, RemoteProtocolError
+from kit.p2p import wire
+from kit.p2p.api import PeerAPI, StreamAPI
+from kit.p2p.identity import PeerID
+
+logger = logging.getLogger(__name__)
+
+JOIN_PROTOCOL = "kit/averaging/join/1"
+FIRST_MESSAGE_TIMEOUT = 10.0  # a stream's first message comes right after it opens
+POLL_DELAYS = (
+    0.0,
+    0.01,
+    0.02,
+    0.04,
+    0.08,
+    0.16,
+    0.32,
+    0.4,
+)  # DHT polls while looking, then the last
+
+
+class AveragerEndpoint(Protocol):
+    """What the router needs of an averager."""
+
+    matchmaking: MatchmakingDriver
+
+    async def serve_allreduce(self, stream: StreamAPI, header: dict[str, Any]) -> None: ...
+
+
+class AveragingRouter:
+    """Serves the averaging protocols of one peer for every averager on it (by prefix)."""
+
+    _routers: weakref.WeakKeyDictionary[Any, AveragingRouter] = weakref.WeakKeyDictionary()
+
+    def __init__(self, peer: PeerAPI) -> None:
+        self.averagers: dict[str, AveragerEndpoint] = {}
+        peer.add_stream_handler(JOIN_PROTOCOL, self._serve_join)
+        peer.add_stream_handler(ALLREDUCE_PROTOCOL, self._serve_allreduce)
+
+    @classmethod
+    def of(cls, peer: PeerAPI) -> AveragingRouter:
+        """The router of ``peer`` (created, and its handlers registered, on first use)."""
+        router = cls._routers.get(peer)
+        if router is None:
+            router = cls._routers[peer] = cls(peer)
+        return router
+
+    async def _serve_join(self, stream: StreamAPI) -> None:
+        raw = await stream.receive_message(max_size=MAX_MESSAGE, timeout=FIRST_MESSAGE_TIMEOUT)
+        if raw is None:
+            return
+        prefix, key, schema, member = decode_join_request(raw, stream.remote_peer)
+        averager = self.averagers.get(prefix)
+        if averager is None:
+            await stream.send_message(encode_answer(Refusal("not_looking")), timeout=5.0)
+            return
+        await averager.matchmaking.serve_join(stream, key, schema, member)
+
+    async def _serve_allreduce(self, stream: StreamAPI) -> None:
+        raw = await stream.receive_message(max_size=4096, timeout=FIRST_MESSAGE_TIMEOUT)
+        if raw is None:
+            return
+        header = wire.decode_map(
+            raw, "all-reduce stream header", {"prefix": str, "group_id": bytes}
+        )
+        averager = self.averagers.get(header["prefix"])
+        if averager is None:
+            raise RemoteProtocolError(f"no averager with prefix {header['prefix'][:64]!r} here")
+        await averager.serve_allreduce(stream, header)
+
+
+class MatchmakingDriver:
+    """Finds groups for one averager: one ``find_group`` at a time."""
+
+    def __init__(
+        self,
+        node: DHTNode,
+        prefix: str,
+        settings: MatchmakingSettings,
+        schema: bytes,
+        total_size: int,
+        *,
+        group_bits: str = "",
+        min_vector_size: int = 0,
+        spawn: Callable[[Awaitable[Any]], asyncio.Task[Any]],
+    ) -> None:
+        self.node, self.peer = node, node.peer
+        self.prefix, self.settings, self.schema = prefix, settings, schema
+        self.total_size, self.group_bits, self.min_vector_size = (
+            total_size,
+            group_bits,
+            min_vector_size,
+        )
+        self._spawn_owned = spawn  # the averager's: tombstones outlive one search
+        self._matchmaker: Matchmaker | None = None
+        self._outcomes: dict[Any, asyncio.Future[bytes]] = {}  # follower -> begin/release message
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._wakeup = asyncio.Event()
+        self._group: GroupInfo | None = None
+        self._declared_until = 0.0
+
+    @property
+    def group_key(self) -> str:
+        """The DHT key of this averager's group (hivemind's ``{prefix}.0b{bits}``)."""
+        return f"{self.prefix}.0b{self.group_bits}"
+
+    @property
+    def followers(self) -> tuple[PeerID, ...]:
+        """The peers following this one right now (while it leads a forming group)."""
+        matchmaker = self._matchmaker
+        return tuple(matchmaker.followers) if matchmaker is not None else ()
+
+    @property
+    def phase(self) -> Phase:
+        return self._matchmaker.phase if self._matchmaker is not None else Phase.IDLE
+
+    async def find_group(self, me: MemberInfo, deadline: float) -> GroupInfo | None:
+        """Look for a group until ``deadline`` (DHT time); None if none formed in time."""
+        matchmaker = self._matchmaker = Matchmaker(me, self.settings)
+        self._group, self._declared_until = None, 0.0
+        declaration = matchmaker.start(get_dht_time(), deadline)
+        declared = asyncio.Event()  # the first poll waits for our own declaration: then every
+        if declaration is not None:  # peer that declared before us is visible to it
+            self._spawn(self._declare(matchmaker, declaration, declared))
+        else:
+            declared.set()
+        self._spawn(self._poll(matchmaker, declared))
+        try:
+            while True:
+                self._execute(matchmaker.tick(get_dht_time()))
+                if matchmaker.phase in FINAL_PHASES:
+                    break
+                self._wakeup.clear()
+                delay = matchmaker.next_wakeup() - get_dht_time()
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), max(delay, 0.0) + 1e-3)
+                except asyncio.TimeoutError:
+                    pass
+            if matchmaker.phase is Phase.FAILED:
+                logger.info("%s: no group (%s)", self.prefix, matchmaker.failure)
+            return self._group if matchmaker.phase is Phase.ASSEMBLED else None
+        finally:
+            self._execute(matchmaker.cancel("the search ended"))
+            self._matchmaker = None
+            await cancel_and_wait(list(self._tasks), 1.0)
+            if declaration is not None:
+                self._spawn_owned(self._withdraw(self._declared_until))
+
+    def _spawn(self, work: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(_log_failure)
+
+    def _wake(self) -> None:
+        self._wakeup.set()
+
+    def _execute(self, actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, AskLeader):
+                assert self._matchmaker is not None
+                self._spawn(self._join(self._matchmaker, action.declaration))
+            elif isinstance(action, Release):
+                message = encode_release(action.suggested)
+                for follower in action.followers:
+                    outcome = self._outcomes.get(follower)
+                    if outcome is not None and not outcome.done():
+                        outcome.set_result(message)
+            elif isinstance(action, Begin):
+                self._group = self._assemble(action)
+                message = encode_begin(self._group)
+                for member in action.members[1:]:
+                    outcome = self._outcomes.get(member.peer_id)
+                    if outcome is not None and not outcome.done():
+                        outcome.set_result(message)
+        self._wake()  # every state change may move the next wakeup (e.g. LOOKING -> LEADING)
+
+    def _assemble(self, begin: Begin) -> GroupInfo:
+        """The leader's part: split the vector by the LP (DeDLOC) and number the round."""
+        members = begin.members
+        clients = [m.client_mode for m in members]
+        bandwidths = [
+            None if m.client_mode or not m.bandwidth else m.bandwidth for m in members
+        ]  # 0 from a non-client means "unknown" here, not "client"
+        part_sizes = load_balance_peers(
+            self.total_size,
+            [0.0 if client else b for client, b in zip(clients, bandwidths, strict=True)],
+            self.min_vector_size,
+            client_mode=clients,
+            auxiliary=[m.auxiliary for m in members],
+        )
+        group_id = os.urandom(GROUP_ID_BYTES)
+        return GroupInfo.assemble(group_id, self.schema, members, part_sizes)
+
+    # --- the DHT -----------------------------------------------------------------------------
+
+    async def _declare(
+        self, matchmaker: Matchmaker, declaration: Declaration, declared: asyncio.Event
+    ) -> None:
+        """Keep this peer's declaration in the DHT while it may lead (hivemind re-declares too)."""
+        period = max(self.settings.min_matchmaking_time, 2 * self.settings.request_timeout)
+        while matchmaker.phase in (Phase.LOOKING, Phase.LEADING):
+            until = min(get_dht_time() + period, matchmaker.deadline)
+            key, subkey = self.group_key, self.peer.peer_id.to_bytes()
+            try:
+                await self.node.store(key, declaration.to_value(), until, subkey=subkey)
+                self._declared_until = max(self._declared_until, until)
+            except KitError as e:
+                logger.info("%s: declaring in the DHT failed: %s", self.prefix, e)
+            declared.set()
+            await asyncio.sleep(period / 2)
+
+    async def _withdraw(self, declared_until: float) -> None:
+        """Replace the declaration by a tombstone, so nobody asks a peer that stopped looking."""
+        if declared_until <= get_dht_time():
+            return
+        subkey = self.peer.peer_id.to_bytes()
+        try:
+            await self.node.store(self.group_key, None, declared_until + 1e-3, subkey=subkey)
+        except KitError as e:
+            logger.debug("%s: withdrawing from the DHT failed: %s", self.prefix, e)
+
+    async def _poll(self, matchmaker: Matchmaker, declared: asyncio.Event) -> None:
+        first = asyncio.ensure_future(declared.wait())
+        try:
+            await asyncio.wait({first}, timeout=self.settings.request_timeout)
+        finally:
+            first.cancel()
+        for attempt in itertools.count():
+            await asyncio.sleep(POLL_DELAYS[min(attempt, len(POLL_DELAYS) - 1)])
+            if matchmaker.phase in FINAL_PHASES:
+                return
+            if matchmaker.phase not in (Phase.LOOKING, Phase.LEADING):
+                continue
+            try:
+                found = await asyncio.wait_for(
+                    self.node.get(self.group_key, latest=True), self.settings.request_timeout
+                )
+            except (KitError, asyncio.TimeoutError) as e:
+                logger.debug("%s: reading the group key failed: %r", self.prefix, e)
+                continue
+            now = get_dht_time()
+            declarations = Declaration.parse_entries(found.value if found else None, now)
+            self._execute(matchmaker.observe(now, declarations))
+
+    # --- join streams ------------------------------------------------------------------------
+
+    async def _join(self, matchmaker: Matchmaker, leader: Declaration) -> None:
+        """Follower side: ask ``leader``, then wait on the same stream for the group."""
+        leader_id, timeout = leader.peer_id, self.settings.request_timeout
+        for address in leader.addresses:
+            self.peer.add_address(leader_id, address)
+        stream: StreamAPI | None = None
+        assembled = False
+        try:
+            stream = await self.peer.open_stream(leader_id, JOIN_PROTOCOL, timeout=timeout)
+            request = encode_join_request(self.prefix, self.group_key, self.schema, matchmaker.me)
+            await stream.send_message(request, timeout=timeout)
+            code, refusal, _ = await self._leader_message(stream, timeout)
+            if code != "accepted":
+                self._execute(matchmaker.join_answered(get_dht_time(), leader_id, refusal))
+                return
+            self._execute(matchmaker.join_answered(get_dht_time(), leader_id, None))
+            waiting = max(matchmaker.deadline - get_dht_time(), 0.0) + timeout
+            code, refusal, body = await self._leader_message(stream, waiting)
+            if code == "begin" and matchmaker.phase is not Phase.FOLLOWING:
+                return  # too late: this peer gave up (deadline or shutdown) in the meantime
+            if code == "begin":
+                self._group = GroupInfo.from_wire(
+                    body,
+                    leader=leader_id,
+                    me=matchmaker.me,
+                    schema=self.schema,
+                    total_size=self.total_size,
+                )
+                matchmaker.group_received(get_dht_time(), leader_id)
+                assembled = True
+                self._wake()
+                return
+            self._execute(matchmaker.leader_lost(get_dht_time(), leader_id))
+            if refusal is not None and refusal.suggested is not None:
+                self._execute(matchmaker.observe(get_dht_time(), [refusal.suggested]))
+        except (PeerError, KitTimeout) as e:
+            logger.debug("%s: leader %s lost: %s", self.prefix, leader_id.short(), e)
+            self._execute(matchmaker.leader_lost(get_dht_time(), leader_id))
+        finally:
+            if stream is not None and not assembled:
+                stream.reset("cancelled", "left the group")
+            elif stream is not None:
+                await stream.close()
+            self._wake()
+
+    @staticmethod
+    async def _leader_message(stream: StreamAPI, timeout: float) -> tuple[str, Refusal | None, Any]:
+        raw = await stream.receive_message(max_size=MAX_MESSAGE, timeout=timeout)
+        if raw is None:
+            raise RemoteProtocolError("the leader closed the join stream")
+        return decode_leader_message(raw)
+
+    async def serve_join(
+        self, stream: StreamAPI, group_key: str, schema: bytes, member: MemberInfo
+    ) -> None:
+        """Leader side of a join stream: answer, then hold it until the group begins or not."""
+        matchmaker, timeout = self._matchmaker, self.settings.request_timeout
+        refusal: Refusal | None = Refusal("not_looking")
+        actions: list[Action] = []
+        if matchmaker is not None and schema != self.schema:
+            refusal = Refusal("bad_schema")
+        elif matchmaker is not None and group_key != self.group_key:
+            refusal = Refusal("bad_group_key")
+        elif matchmaker is not None:
+            refusal, actions = matchmaker.join_request(get_dht_time(), member)
+        if refusal is not None or matchmaker is None:
+            await stream.send_message(encode_answer(refusal), timeout=timeout)
+            return
+        outcome = self._outcomes[member.peer_id] = asyncio.get_running_loop().create_future()
+        leaving: asyncio.Future[Any] | None = None
+        try:
+            self._execute(actions)  # may begin the group at once: then outcome is set already
+            await stream.send_message(encode_answer(None), timeout=timeout)
+            remaining = max(matchmaker.deadline - get_dht_time(), 0.0) + timeout
+            leaving = asyncio.ensure_future(stream.receive_message(max_size=16, timeout=remaining))
+            await asyncio.wait({outcome, leaving}, timeout=remaining, return_when="FIRST_COMPLETED")
+            if outcome.done():
+                await stream.send_message(outcome.result(), timeout=timeout)
+        finally:
+            if leaving is not None:
+                leaving.cancel()
+                leaving.add_done_callback(_retrieve)
+            if self._outcomes.get(member.peer_id) is outcome:
+                del self._outcomes[member.peer_id]
+            if not outcome.done():
+                outcome.cancel()
+                self._execute(matchmaker.follower_left(get_dht_time(), member.peer_id))
+                self._wake()
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()  # the follower's stream ending is expected: do not log it
+
+
+def _log_failure(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("matchmaking task failed: %r", task.exception())

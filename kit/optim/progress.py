@@ -1,0 +1,278 @@
+"""Collaboration-wide training progress: who is at which epoch with how many samples, and when
+the next global step (an "epoch") will happen.
+
+Every peer publishes an owner-signed record under ``{run_id}_progress`` (subkey: its
+``[owner:...]`` marker, so nobody can forge another peer's progress): its epoch, the samples it
+accumulated toward the current global batch, its samples/s, and whether it is a client or an
+auxiliary peer. Every peer reads all records and reduces them (:func:`aggregate`, pure) to a
+:class:`GlobalProgress`: the global epoch, the samples accumulated toward ``target_batch_size``,
+peer counts, and the ETA of the next step (DeDLOC §3.1: each device accumulates at its own pace
+until the collaboration reaches the target batch).
+
+The ETA extrapolates each peer's samples at its measured rate since its last report, as
+hivemind's ProgressTracker does. Records refresh faster as the step approaches (the fetch period
+is a fraction of the ETA, clipped to ``[min_refresh_period, max_refresh_period]``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from kit.dht.node import DHTNode, get_dht_time
+from kit.dht.validation import Ed25519SignatureValidator
+from kit.errors import KitError, TransientError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LocalProgress:
+    """What one peer reports (hivemind's LocalTrainingProgress, plus ``auxiliary``)."""
+
+    peer_id: bytes
+    epoch: int
+    samples_accumulated: int
+    samples_per_second: float
+    time: float
+    client_mode: bool
+    auxiliary: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "peer_id": self.peer_id,
+            "epoch": self.epoch,
+            "samples_accumulated": self.samples_accumulated,
+            "samples_per_second": self.samples_per_second,
+            "time": self.time,
+            "client_mode": self.client_mode,
+            "auxiliary": self.auxiliary,
+        }
+
+    @classmethod
+    def from_dict(cls, body: Any) -> LocalProgress | None:
+        """Parse a record from the DHT; None (and a debug line) for anything malformed."""
+        try:
+            record = cls(
+                peer_id=bytes(body["peer_id"]),
+                epoch=int(body["epoch"]),
+                samples_accumulated=int(body["samples_accumulated"]),
+                samples_per_second=float(body["samples_per_second"]),
+                time=float(body["time"]),
+                client_mode=bool(body["client_mode"]),
+                auxiliary=bool(body.get("auxiliary", False)),
+            )
+        except (KeyError, TypeError, ValueError):
+            logger.debug("ignoring a malformed progress record: %.200r", body)
+            return None
+        numbers_ok = all(math.isfinite(x) for x in (record.samples_per_second, record.time))
+        if (
+            record.epoch < 0
+            or record.samples_accumulated < 0
+            or record.samples_per_second < 0
+            or not numbers_ok
+        ):
+            return None
+        return record
+
+
+@dataclass(frozen=True)
+class GlobalProgress:
+    """The collaboration as this peer sees it (hivemind's GlobalTrainingProgress)."""
+
+    epoch: int  # the highest epoch any peer reports
+    samples_accumulated: int  # reported toward the current epoch's target batch
+    target_batch_size: int
+    num_peers: int  # peers seen (all epochs)
+    num_clients: int  # of which in client mode
+    eta_next_epoch: float  # seconds until the target is reached, extrapolated
+    next_fetch_time: float  # when to read the records again (absolute DHT time)
+
+    @property
+    def ready(self) -> bool:
+        return self.samples_accumulated >= self.target_batch_size
+
+
+def aggregate(
+    records: list[LocalProgress],
+    target_batch_size: int,
+    now: float,
+    *,
+    min_refresh_period: float = 0.5,
+    max_refresh_period: float = 10.0,
+) -> GlobalProgress:
+    """Reduce peers' records to the global progress (pure: ``now`` is given).
+
+    Samples count only from peers at the global epoch: a peer still at an older epoch is about
+    to catch up (download state) and its samples belong to a batch that was already applied.
+    """
+    if not records:
+        return GlobalProgress(0, 0, target_batch_size, 0, 0, math.inf, now + min_refresh_period)
+    epoch = max(record.epoch for record in records)
+    current = [record for record in records if record.epoch == epoch]
+    reported = sum(record.samples_accumulated for record in current)
+    extrapolated = sum(
+        record.samples_accumulated + record.samples_per_second * max(0.0, now - record.time)
+        for record in current
+    )
+    rate = sum(record.samples_per_second for record in records if not record.auxiliary)
+    remaining = max(0.0, target_batch_size - extrapolated)
+    eta = remaining / rate if rate > 0 else (0.0 if remaining == 0 else math.inf)
+    refresh = min(
+        max_refresh_period,
+        max(min_refresh_period, eta / 2 if math.isfinite(eta) else max_refresh_period),
+    )
+    return GlobalProgress(
+        epoch=epoch,
+        samples_accumulated=reported,
+        target_batch_size=target_batch_size,
+        num_peers=len(records),
+        num_clients=sum(record.client_mode for record in records),
+        eta_next_epoch=eta,
+        next_fetch_time=now + refresh,
+    )
+
+
+class ProgressTracker:
+    """Publishes this peer's progress and keeps the global view fresh (a task on the runtime loop).
+
+    Args:
+        node: the running DHT node.
+        prefix: the run id; records live under ``f"{prefix}_progress"``.
+        target_batch_size: samples per global step.
+        identity: this peer's key (signs its records).
+        client_mode, auxiliary: what this peer reports about itself.
+        min_refresh_period, max_refresh_period: bounds of the fetch period. Lower the minimum
+            if peers enter averaging late on a fast local swarm; raise the maximum on big swarms.
+        metadata_expiration: lifetime of a record; a peer silent for longer is forgotten.
+        performance_ema_alpha: smoothing of the samples/s estimate.
+    """
+
+    def __init__(
+        self,
+        node: DHTNode,
+        prefix: str,
+        target_batch_size: int,
+        *,
+        identity: Any,
+        client_mode: bool,
+        auxiliary: bool = False,
+        min_refresh_period: float = 0.5,
+        max_refresh_period: float = 10.0,
+        metadata_expiration: float = 60.0,
+        performance_ema_alpha: float = 0.1,
+    ) -> None:
+        self.node = node
+        self.key = f"{prefix}_progress"
+        self.target_batch_size = target_batch_size
+        self.client_mode = client_mode
+        self.auxiliary = auxiliary
+        self.min_refresh_period = min_refresh_period
+        self.max_refresh_period = max_refresh_period
+        self.metadata_expiration = metadata_expiration
+        self.performance_ema_alpha = performance_ema_alpha
+        self._validator = Ed25519SignatureValidator(identity)
+        node.add_validators([self._validator])
+        self._subkey = self._validator.local_owner
+        self._peer_id = node.peer_id.to_bytes()
+        self.local = LocalProgress(self._peer_id, 0, 0, 0.0, get_dht_time(), client_mode, auxiliary)
+        self._others: list[LocalProgress] = []  # other peers' records, as last fetched
+        self._last_report_time: float | None = None
+        self._wake = asyncio.Event()
+        self._fetched = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._run())
+
+    async def shutdown(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    # --- local progress ------------------------------------------------------------------
+
+    def report_local_progress(self, epoch: int, samples_accumulated: int) -> None:
+        """Record progress (called from the training step); published right away."""
+        now = get_dht_time()
+        rate = self.local.samples_per_second
+        if epoch == self.local.epoch and samples_accumulated > self.local.samples_accumulated:
+            elapsed = now - (self._last_report_time or now)
+            if elapsed > 0:
+                instant = (samples_accumulated - self.local.samples_accumulated) / elapsed
+                alpha = self.performance_ema_alpha
+                rate = instant if rate == 0 else (1 - alpha) * rate + alpha * instant
+        self._last_report_time = now
+        self.local = LocalProgress(
+            self._peer_id, epoch, samples_accumulated, rate, now, self.client_mode, self.auxiliary
+        )
+        self._wake.set()
+
+    @property
+    def global_progress(self) -> GlobalProgress:
+        """The others' last fetched records with this peer's current one."""
+        return aggregate(
+            [self.local, *self._others],
+            self.target_batch_size,
+            get_dht_time(),
+            min_refresh_period=self.min_refresh_period,
+            max_refresh_period=self.max_refresh_period,
+        )
+
+    @property
+    def ready_to_update_epoch(self) -> bool:
+        """The collaboration has the target batch for our epoch, or has moved past it."""
+        progress = self.global_progress
+        return progress.epoch > self.local.epoch or (
+            progress.epoch == self.local.epoch and progress.ready
+        )
+
+    async def wait_for_update(self, timeout: float) -> GlobalProgress:
+        """Fetch the global progress now (at most ``timeout`` seconds)."""
+        self._fetched.clear()
+        self._wake.set()
+        try:
+            await asyncio.wait_for(self._fetched.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+        return self.global_progress
+
+    # --- the background loop -------------------------------------------------------------
+
+    async def _run(self) -> None:
+        published: LocalProgress | None = None
+        while True:
+            try:
+                if self.local != published:
+                    published = self.local
+                    await self.node.store(
+                        self.key,
+                        published.to_dict(),
+                        get_dht_time() + self.metadata_expiration,
+                        subkey=self._subkey,
+                    )
+                self._others = await self._fetch()
+                self._fetched.set()
+            except (TransientError, KitError) as e:  # keep tracking: the DHT recovers
+                logger.debug("progress update failed: %s", e)
+            delay = max(0.0, self.global_progress.next_fetch_time - get_dht_time())
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), min(delay, self.max_refresh_period))
+            except asyncio.TimeoutError:
+                pass
+
+    async def _fetch(self) -> list[LocalProgress]:
+        result = await self.node.get(self.key, latest=True)
+        records = []
+        if result is not None and isinstance(result.value, dict):
+            for subkey, entry in result.value.items():
+                if subkey == self._subkey:
+                    continue
+                record = LocalProgress.from_dict(getattr(entry, "value", None))
+                if record is not None and record.peer_id != self._peer_id:
+                    records.append(record)
+        return records

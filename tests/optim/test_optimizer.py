@@ -1,0 +1,171 @@
+"""kit.Optimizer with real peer processes: equivalence to large-batch training, hot join, churn."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import kit
+from kit.errors import ConfigError
+from tests.optim.reference import make_model, target_batch_size, train_reference
+
+pytestmark = [pytest.mark.processes, pytest.mark.sockets]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def start_peers(
+    bootstrap: str, tmp_path: Path, indices: list[int], peers: int, *extra: str
+) -> list[subprocess.Popen[bytes]]:
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.optim.collab_peer",
+                "--initial-peer",
+                bootstrap,
+                "--peer-index",
+                str(index),
+                "--target",
+                str(target_batch_size(peers)),
+                "--out",
+                str(tmp_path / f"peer{index}"),
+                *extra,
+            ],
+            cwd=ROOT,
+        )
+        for index in indices
+    ]
+
+
+def finish(processes: list[subprocess.Popen[bytes]], timeout: float = 150) -> None:
+    try:
+        for process in processes:
+            assert process.wait(timeout) == 0
+    finally:
+        for process in processes:
+            process.kill()
+
+
+@pytest.mark.async_timeout(200)
+def test_three_peers_equal_one_process_with_the_global_batch(tmp_path: Path) -> None:
+    """DeDLOC's "complete equivalence to regular distributed training", as a test."""
+    epochs = 5
+    with kit.DHT(host="127.0.0.1", client_mode=False) as bootstrap:
+        processes = start_peers(
+            bootstrap.get_visible_maddrs()[0],
+            tmp_path,
+            [0, 1, 2],
+            3,
+            "--epochs",
+            str(epochs),
+            "--exact",
+        )
+        finish(processes)
+    expected = train_reference(3, epochs).numpy()
+    for index in range(3):
+        params = np.load(tmp_path / f"peer{index}.npy")
+        report = json.loads((tmp_path / f"peer{index}.json").read_text())
+        assert report["epoch"] == epochs
+        assert report["lr"] == pytest.approx(
+            0.01 / (1 + epochs)
+        )  # the scheduler stepped once per epoch
+        relative = np.abs(params - expected).max() / np.abs(expected).max()
+        assert relative <= 1e-5, f"peer {index}: relative error {relative:.2e}"
+    untrained = torch.cat([p.detach().reshape(-1) for p in make_model().parameters()]).numpy()
+    assert np.abs(expected - untrained).max() > 1e-3  # training did move the parameters
+
+
+def wait_for_epoch(path: Path, epoch: int, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text().strip() and int(path.read_text()) >= epoch:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{path.name} did not reach epoch {epoch}")
+
+
+@pytest.mark.async_timeout(240)
+def test_churn_peer_killed_and_late_joiner(tmp_path: Path) -> None:
+    """One peer killed mid-run, one started late: training goes on, the late peer downloads the
+    state and catches up, and every live peer ends with identical parameters."""
+    epochs = 6
+    with kit.DHT(host="127.0.0.1", client_mode=False) as bootstrap:
+        address = bootstrap.get_visible_maddrs()[0]
+        common = ("--epochs", str(epochs), "--average-state-every", "1")
+        processes = start_peers(address, tmp_path, [0, 1, 2], 2, *common)
+        try:
+            wait_for_epoch(tmp_path / "peer1.epoch", 2)
+            processes[1].kill()  # mid-run, without a goodbye
+            late = start_peers(address, tmp_path, [3], 2, *common, "--load-state")
+            finish([processes[0], processes[2], *late], timeout=180)
+        finally:
+            for process in processes:
+                process.kill()
+    finals = {i: np.load(tmp_path / f"peer{i}.npy") for i in (0, 2, 3)}
+    reports = {i: json.loads((tmp_path / f"peer{i}.json").read_text()) for i in (0, 2, 3)}
+    assert all(report["epoch"] == epochs for report in reports.values())
+    assert reports[3]["epochs"][0] > 1  # it joined at the collaboration's epoch, not at 0
+    assert np.abs(finals[0] - finals[2]).max() <= 1e-6 * np.abs(finals[0]).max()
+    assert np.abs(finals[0] - finals[3]).max() <= 1e-6 * np.abs(finals[0]).max()
+
+
+def test_bad_arguments_fail_at_construction() -> None:
+    model = make_model()
+    with kit.DHT(host="127.0.0.1", client_mode=False) as dht:
+        common = dict(dht=dht, run_id="bad", target_batch_size=8)
+        cases = [
+            dict(optimizer=lambda p: torch.optim.SGD(p, lr=0.1)),  # factory without params
+            dict(optimizer=torch.optim.SGD(model.parameters(), lr=0.1), params=model.parameters()),
+            dict(optimizer=torch.optim.SGD(model.parameters(), lr=0.1), delay_optimizer_step=True),
+            dict(
+                optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                client_mode=True,
+                auxiliary=True,
+            ),
+            dict(
+                optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                auxiliary=True,
+                batch_size_per_step=4,
+            ),
+        ]
+        for case in cases:
+            with pytest.raises(ConfigError, match="help:"):
+                kit.Optimizer(**common, **case)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError):
+            kit.Optimizer(
+                dht=dht,
+                run_id="bad",
+                target_batch_size=0,
+                optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            )
+
+
+def test_hivemind_quickstart_runs_with_only_its_import_changed() -> None:
+    first = subprocess.Popen(
+        [sys.executable, "-m", "tests.optim.hivemind_quickstart", "--steps", "40"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert first.stdout is not None
+    address = first.stdout.readline().strip()
+    second = subprocess.run(
+        [sys.executable, "-m", "tests.optim.hivemind_quickstart", address, "--steps", "40"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        timeout=150,
+    )
+    output = first.communicate(timeout=150)[0]
+    assert first.returncode == 0 and second.returncode == 0
+    for text in (output, second.stdout):
+        summary = text.strip().splitlines()[-1].split()
+        assert summary[0] == "epoch" and int(summary[1]) >= 4  # 40 steps x 2 peers x 32 / 128
