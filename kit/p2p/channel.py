@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+from collections.abc import AsyncIterator
 from typing import Protocol
 
 from websockets.asyncio.connection import Connection as WebSocket
@@ -140,6 +141,30 @@ async def _authorize(channel: Channel, authorizer: Authorizer, remote: RemoteHel
         raise refusal from e
 
 
+@contextlib.asynccontextmanager
+async def _refusing_on_error(channel: Channel) -> AsyncIterator[None]:
+    """Tell the remote side why a handshake failed (GOAWAY), then close the channel."""
+    try:
+        yield
+    except HandshakeRefused as e:
+        if e.reason != Refusal.AUTH.value:  # _authorize already sent its own refusal
+            await _refuse(channel, e)
+        raise
+    except (RemoteProtocolError, BadSignature) as e:
+        await _refuse(channel, HandshakeRefused(Refusal.PROTOCOL.value, str(e)))
+        raise
+    except BaseException:
+        await channel.close()
+        raise
+
+
+async def _credentials(
+    authorizer: Authorizer, settings: HandshakeSettings, timeout: float
+) -> HandshakeSettings:
+    credentials = await wait_bounded(authorizer.credentials(), timeout, "getting an access token")
+    return dataclasses.replace(settings, credentials=credentials)
+
+
 async def dial_handshake(
     channel: Channel,
     identity: Identity,
@@ -150,29 +175,16 @@ async def dial_handshake(
     timeout: float,
 ) -> tuple[RemoteHello, SessionKeys]:
     """Run the dialer's side of the handshake; returns the verified remote hello and session keys."""
-    try:
-        credentials = await wait_bounded(
-            authorizer.credentials(), timeout, "getting an access token"
-        )
+    async with _refusing_on_error(channel):
         handshake = DialerHandshake(
-            identity, _with_credentials(settings, credentials), expected_peer
-        )  # type: ignore[arg-type]
+            identity, await _credentials(authorizer, settings, timeout), expected_peer
+        )
         await channel.send(handshake.hello())
         remote, auth = handshake.receive_hello(await _recv_frame(channel, timeout))
         await _authorize(channel, authorizer, remote)
         await channel.send(auth)
         handshake.receive_welcome(await _recv_frame(channel, timeout))
-        assert handshake.session_keys is not None  # set by receive_hello
-    except HandshakeRefused as e:
-        if e.reason != Refusal.AUTH.value:
-            await _refuse(channel, e)
-        raise
-    except (RemoteProtocolError, BadSignature) as e:
-        await _refuse(channel, HandshakeRefused(Refusal.PROTOCOL.value, str(e)))
-        raise
-    except BaseException:
-        await channel.close()
-        raise
+    assert handshake.session_keys is not None  # set by receive_hello
     return remote, handshake.session_keys
 
 
@@ -185,28 +197,11 @@ async def accept_handshake(
     timeout: float,
 ) -> tuple[RemoteHello, SessionKeys]:
     """Run the listener's side of the handshake; returns the verified remote hello and session keys."""
-    try:
-        credentials = await wait_bounded(
-            authorizer.credentials(), timeout, "getting an access token"
-        )
-        handshake = ListenerHandshake(identity, _with_credentials(settings, credentials))  # type: ignore[arg-type]
+    async with _refusing_on_error(channel):
+        handshake = ListenerHandshake(identity, await _credentials(authorizer, settings, timeout))
         remote, hello = handshake.receive_hello(await _recv_frame(channel, timeout))
         await _authorize(channel, authorizer, remote)
         await channel.send(hello)
         await channel.send(handshake.receive_auth(await _recv_frame(channel, timeout)))
-        assert handshake.session_keys is not None  # set by receive_auth
-    except HandshakeRefused as e:
-        if e.reason != Refusal.AUTH.value:
-            await _refuse(channel, e)
-        raise
-    except (RemoteProtocolError, BadSignature) as e:
-        await _refuse(channel, HandshakeRefused(Refusal.PROTOCOL.value, str(e)))
-        raise
-    except BaseException:
-        await channel.close()
-        raise
+    assert handshake.session_keys is not None  # set by receive_auth
     return remote, handshake.session_keys
-
-
-def _with_credentials(settings: HandshakeSettings, credentials: bytes) -> HandshakeSettings:
-    return dataclasses.replace(settings, credentials=credentials)
