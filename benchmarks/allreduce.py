@@ -18,6 +18,7 @@ pages counted once) and the CPU time of ours and of every other process on the m
 machine is shared: it first waits, bounded, for other processes to use < 10 % of a core).
 Everything is bounded: ``--deadline-s`` for the whole run, step, barrier and all-reduce timeouts,
 and the peers' process groups are killed at the end. Prints one JSON line (the last line).
+Set ``KIT_LOG_LEVEL=DEBUG`` to have the peers log into ``peer_<i>.log`` in the run directory.
 """
 
 from __future__ import annotations

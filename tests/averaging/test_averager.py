@@ -22,12 +22,8 @@ from typing import Any
 import pytest
 import torch
 
-from kit.averaging.averager import (
-    AsyncAverager,
-    AveragerSettings,
-    DecentralizedAverager,
-    RoundResult,
-)
+from kit.averaging.averager import AsyncAverager, DecentralizedAverager, RoundResult
+from kit.averaging.settings import AveragerSettings
 from kit.dht import DHT
 from kit.dht.node import DHTConfig, DHTNode
 from kit.errors import ConfigError
