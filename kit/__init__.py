@@ -3,13 +3,18 @@
 Map of the package (data flows down this list; each room imports only rooms above it):
 
     errors.py        the one exception tree (whose fault? transient or permanent?)
+    config/          RunConfig and its sections (frozen dataclasses, torch-free)
     runtime.py       the one asyncio loop in one background thread + blocking facade
     p2p/             websocket peer-to-peer layer: identity, wire format, handshake,
-                     multiplexed streams, relays for peers behind NAT
-    dht/             Kademlia DHT with hivemind's store/get semantics
+                     multiplexed streams, relays for peers behind NAT (torch-free)
+    auth/            allowlist auth: access tokens, revocation, token endpoint (torch-free)
+    dht/             Kademlia DHT with hivemind's store/get semantics (torch-free)
     averaging/       butterfly all-reduce, load-balancing LP, compression codecs
     optim/           kit.Optimizer: DeDLOC's collaborative optimizer, progress, state sharing
     data/            streaming tokenization pipeline, ALBERT MLM+SOP examples, tokenizer recipe
+    hardware/        detect the machine, plan device / precision / micro-batch
+    evaluate.py      the researcher's entry module (evaluation/ holds its parts)
+    testing/         fake Hugging Face Hub, network namespaces (tests and dry runs)
     cli.py           the ``kit`` command
 
 Importing kit does nothing global: no threads, no logging configuration, no network.
