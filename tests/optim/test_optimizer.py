@@ -169,3 +169,32 @@ def test_hivemind_quickstart_runs_with_only_its_import_changed() -> None:
     for text in (output, second.stdout):
         summary = text.strip().splitlines()[-1].split()
         assert summary[0] == "epoch" and int(summary[1]) >= 4  # 40 steps x 2 peers x 32 / 128
+
+
+def test_non_finite_gradients_are_skipped_and_never_sent(caplog: pytest.LogCaptureFixture) -> None:
+    model = make_model()
+    with kit.DHT(host="127.0.0.1", client_mode=False) as dht:
+        opt = kit.Optimizer(
+            dht=dht,
+            run_id="nan-test",
+            target_batch_size=1000,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            matchmaking_time=1.0,
+        )
+        try:
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step(batch_size=4)
+            before = [a.clone() for a in opt._accumulators]
+            opt.zero_grad()
+            loss = model(torch.randn(4, 8)).sum() * float("nan")
+            loss.backward()
+            with caplog.at_level("WARNING", logger="kit.optim.optimizer"):
+                opt.step(batch_size=4)
+            assert "non-finite" in caplog.text
+            assert opt._local_samples == 4  # the poisoned batch was not counted...
+            assert all(
+                torch.equal(a, b) for a, b in zip(opt._accumulators, before, strict=True)
+            )  # ...nor added
+            assert all(torch.isfinite(a).all() for a in opt._accumulators)
+        finally:
+            opt.shutdown()
