@@ -8,9 +8,16 @@ link up and down. Measured, each as the median of ``--rounds`` transfers of ``--
 * ``direct_mbit_s``: kit between two public hosts;
 * ``relayed_mbit_s``: kit between two NAT'd hosts (client mode) through a public relay host.
 
-Output: one JSON line, with ratios to the line rate and to plain TCP. The averaging figures
-(``allreduce_vs_lower_bound``, ``allreduce_vs_hivemind``, ``lp_vs_even_split``) are null until
-the averaging room lands its WAN scenario.
+Averaging (issue 10; real ``DecentralizedAverager`` peers, ``tests/netsim/averaging_peer.py``,
+a ``--avg-size-mb`` MB float32 tensor, median of the steady rounds 1..``--avg-rounds``-1):
+
+* scenario 1, four peers on ``--rate-mbit`` links: ``allreduce_vs_lower_bound`` = round time over
+  2(N-1)/N * M / B, every peer declaring the line rate (even split);
+  ``allreduce_measured_bw_vs_lower_bound``: the same with the averager measuring bandwidth itself;
+* scenario 2, one 1 Gbit/s peer and three 50 Mbit/s: ``lp_vs_even_split`` = round time with the
+  LP fed the true rates over the round time with every peer declaring the same bandwidth.
+
+``allreduce_vs_hivemind`` stays null: hivemind's anchor was not run in these namespaces.
 
     sudo python benchmarks/wan.py --rate-mbit 100 --size-mib 32 --rounds 3
 """
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import statistics
 import sys
@@ -27,9 +35,11 @@ import time
 from kit.errors import NetnsUnavailable
 from kit.testing.netsim import HostSpec, LinkShape, NetSim, check_available, read_line
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEER = "tests.netsim.peer"
 TCP_PORT = 7100
 TIMEOUT = 120.0
+MBIT = 1e6 / 8  # bytes/s per Mbit/s
 
 
 def tcp_receive(size: int, rounds: int) -> None:
@@ -92,7 +102,46 @@ def measure_kit(sim: NetSim, host: str, size_mib: int, rounds: int, *args: str) 
     return list(json.loads(done.stdout.strip().splitlines()[-1])["goodput_mbit_s"])
 
 
-def run_benchmark(rate_mbit: float, size_mib: int, rounds: int) -> dict[str, object]:
+def steady_round_s(table: list[dict[str, object]]) -> float:
+    if not all(row["ok"] for row in table):
+        raise RuntimeError(f"an averaging round failed: {table}")
+    return statistics.median(float(row["round_s"]) for row in table[1:])  # type: ignore[arg-type]
+
+
+def measure_averaging(rate_mbit: float, size_mb: float, rounds: int) -> dict[str, object]:
+    """Issue 10's scenarios 1 (equal links) and 2 (one fast peer, LP against an even split)."""
+    sys.path.insert(0, ROOT)  # the peer helper lives in the checkout's tests/, next to benchmarks/
+    from tests.netsim.averaging_peer import run_rounds
+
+    peers = [f"p{i}" for i in range(4)]
+    result: dict[str, object] = {"avg_size_mb": size_mb, "avg_rounds": rounds}
+    with NetSim([HostSpec(h, shape=LinkShape(rate_mbit=rate_mbit)) for h in peers]) as sim:
+        declared = run_rounds(
+            sim, peers, size_mb=size_mb, rounds=rounds, bandwidths=[rate_mbit * MBIT] * 4
+        )
+        measured = run_rounds(sim, peers, size_mb=size_mb, rounds=rounds)
+    bound = 2 * (4 - 1) / 4 * size_mb * 1e6 / (rate_mbit * MBIT)
+    result["allreduce_lower_bound_s"] = round(bound, 3)
+    result["allreduce_round_s"] = round(steady_round_s(declared), 3)
+    result["allreduce_vs_lower_bound"] = round(steady_round_s(declared) / bound, 3)
+    result["allreduce_measured_bw_vs_lower_bound"] = round(steady_round_s(measured) / bound, 3)
+    hosts, rates = ["fast", "slow1", "slow2", "slow3"], [1000.0, 50.0, 50.0, 50.0]
+    specs = [HostSpec(h, shape=LinkShape(rate_mbit=r)) for h, r in zip(hosts, rates, strict=True)]
+    with NetSim(specs) as sim:
+        even = run_rounds(sim, hosts, size_mb=size_mb, rounds=rounds, bandwidths=[1.0] * 4)
+        lp = run_rounds(
+            sim, hosts, size_mb=size_mb, rounds=rounds, bandwidths=[r * MBIT for r in rates]
+        )
+    result["lp_round_s"] = round(steady_round_s(lp), 3)
+    result["even_split_round_s"] = round(steady_round_s(even), 3)
+    result["lp_vs_even_split"] = round(steady_round_s(lp) / steady_round_s(even), 3)
+    result["lp_part_sizes"] = lp[-1]["part_sizes"]
+    return result
+
+
+def run_benchmark(
+    rate_mbit: float, size_mib: int, rounds: int, avg_size_mb: float, avg_rounds: int
+) -> dict[str, object]:
     shape = LinkShape(rate_mbit=rate_mbit)
     hosts = [HostSpec(name, shape=shape) for name in ("a", "b", "relay")]
     hosts += [HostSpec(name, nat=True, shape=shape) for name in ("alice", "bob")]
@@ -116,11 +165,10 @@ def run_benchmark(rate_mbit: float, size_mib: int, rounds: int) -> dict[str, obj
         result[f"{name}_vs_link"] = round(median / rate_mbit, 3)
     result["direct_vs_tcp"] = round(medians["direct"] / medians["tcp"], 3)
     result["relayed_vs_tcp"] = round(medians["relayed"] / medians["tcp"], 3)
-    result["allreduce_vs_lower_bound"] = None
+    result.update(measure_averaging(rate_mbit, avg_size_mb, avg_rounds))
     result["allreduce_vs_hivemind"] = None
-    result["lp_vs_even_split"] = None
     result["note"] = (
-        "no added delay (kernel without sch_netem); averaging figures pending the averaging room"
+        "no added delay (kernel without sch_netem); allreduce_vs_hivemind: anchor not run here"
     )
     return result
 
@@ -132,6 +180,8 @@ def main() -> int:
     parser.add_argument("--rate-mbit", type=float, default=100.0)
     parser.add_argument("--size-mib", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--avg-size-mb", type=float, default=16.0, help="averaged tensor, 1e6 B")
+    parser.add_argument("--avg-rounds", type=int, default=5, help="averaging rounds (1st skipped)")
     parser.add_argument("--role", default="main", help=argparse.SUPPRESS)
     parser.add_argument("--target", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -147,7 +197,10 @@ def main() -> int:
     except NetnsUnavailable as e:
         print(json.dumps({"error": str(e)}))
         return 2
-    print(json.dumps(run_benchmark(args.rate_mbit, args.size_mib, args.rounds)))
+    figures = run_benchmark(
+        args.rate_mbit, args.size_mib, args.rounds, args.avg_size_mb, args.avg_rounds
+    )
+    print(json.dumps(figures))
     return 0
 
 

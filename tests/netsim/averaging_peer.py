@@ -1,0 +1,194 @@
+"""One DecentralizedAverager peer per network namespace, and the launcher that times their rounds.
+
+Holds the peer process (``python -m tests.netsim.averaging_peer --index i ...``, run inside a
+NetSim host) and :func:`run_rounds`, which starts N of them in a :class:`NetSim` and collects
+per-round times and the load-balancing split. It does not build the network (the caller's
+NetSim does) or judge the figures (tests/netsim/test_allreduce_wan.py and benchmarks/wan.py do).
+
+Peers meet through files in a shared run directory (namespaces share the file system): peer 0
+writes its DHT address, and a file barrier before every round makes all peers call ``step()``
+together, so a round's time is the slowest peer's ``step()`` and matchmaking is short.
+Each peer prints one JSON line at the end: per round its ``step()`` time, the matchmaking part,
+the all-reduce part, the group's part sizes (group order) and its own position in the group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from kit.testing.netsim import NetSim
+
+MODULE = "tests.netsim.averaging_peer"
+BARRIER_TIMEOUT = 120.0  # every wait between peers is bounded
+
+
+def _wait_for(paths: list[str], timeout: float, what: str) -> None:
+    give_up = time.monotonic() + timeout
+    while not all(os.path.exists(p) for p in paths):
+        if time.monotonic() > give_up:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.002)
+
+
+def _barrier(run_dir: str, name: str, index: int, n: int) -> None:
+    open(os.path.join(run_dir, f"barrier_{name}_{index}"), "w").close()
+    names = [os.path.join(run_dir, f"barrier_{name}_{j}") for j in range(n)]
+    _wait_for(names, BARRIER_TIMEOUT, f"barrier {name}")
+
+
+def run_peer(args: argparse.Namespace) -> dict[str, Any]:
+    """One peer: join the DHT, average ``rounds`` times, return what each round did."""
+    import torch
+
+    from kit.averaging import DecentralizedAverager
+    from kit.dht import DHT
+
+    torch.set_num_threads(1)
+    n, i, run_dir = args.peers, args.index, args.run_dir
+    numel = int(args.size_mb * 1e6) // 4
+    own = torch.full((numel,), float(i + 1))
+    tensor = own.clone()
+    address_file = os.path.join(run_dir, "initial_peers.json")
+    if i > 0:
+        _wait_for([address_file], BARRIER_TIMEOUT, "peer 0's address")
+        with open(address_file) as f:
+            initial_peers = json.load(f)
+    else:
+        initial_peers = []
+    dht = DHT(initial_peers, host=args.host, port=0)
+    if i == 0:
+        with open(address_file + ".tmp", "w") as f:
+            json.dump(dht.get_visible_addresses(), f)
+        os.replace(address_file + ".tmp", address_file)
+    settings: dict[str, Any] = {"bandwidth": args.bandwidth} if args.bandwidth else {}
+    averager = DecentralizedAverager(
+        [tensor],
+        dht,
+        prefix="wan",
+        target_group_size=n,
+        min_group_size=n,
+        min_matchmaking_time=args.min_matchmaking_time,
+        request_timeout=3.0,
+        allreduce_timeout=120.0,
+        **settings,
+    )
+    rounds: list[dict[str, Any]] = []
+    try:
+        _barrier(run_dir, "ready", i, n)
+        for r in range(args.rounds):
+            with averager.get_tensors() as tensors:
+                tensors[0].copy_(own)
+            _barrier(run_dir, f"r{r}", i, n)
+            started = time.perf_counter()
+            outcome = averager.step(timeout=60.0)
+            total = time.perf_counter() - started
+            if outcome is None:
+                rounds.append({"round": r, "ok": False, "total_s": total})
+                continue
+            with averager.get_tensors() as tensors:
+                error = float((tensors[0] - (n + 1) / 2).abs().max())
+            rounds.append(
+                {
+                    "round": r,
+                    "ok": outcome.is_full and error < 1e-5,
+                    "total_s": total,
+                    "matchmaking_s": outcome.matchmaking_time,
+                    "allreduce_s": outcome.allreduce_time,
+                    "part_sizes": list(outcome.plan.part_sizes),
+                    "position": list(outcome.peers).index(dht.peer_id),
+                }
+            )
+        _barrier(run_dir, "done", i, n)
+    finally:
+        averager.shutdown()
+        dht.shutdown()
+    return {"index": i, "rounds": rounds}
+
+
+def run_rounds(
+    sim: NetSim,
+    hosts: Sequence[str],
+    *,
+    size_mb: float,
+    rounds: int,
+    bandwidths: Sequence[float | None] | None = None,
+    timeout: float = 180.0,
+) -> list[dict[str, Any]]:
+    """Run one averaging peer in each of ``hosts`` for ``rounds`` rounds.
+
+    Args:
+        sim: a running NetSim that has every host.
+        hosts: host names; peer i runs in ``hosts[i]`` and listens on its address.
+        size_mb: the averaged float32 tensor, 1 MB = 1e6 bytes.
+        rounds: rounds to time (the first includes connection set-up; callers skip it).
+        bandwidths: per peer, the ``bandwidth=`` (bytes/s) given to its averager; None or a None
+            entry: left to the averager's own measurement.
+        timeout: for the whole run.
+
+    Returns:
+        Per round: ``round_s`` (slowest peer's step), ``allreduce_s`` (slowest all-reduce part),
+        ``ok`` (every peer got the exact mean) and ``part_sizes`` keyed by host name.
+
+    Raises:
+        RuntimeError: a peer failed or printed no result in time.
+    """
+    n = len(hosts)
+    run_dir = tempfile.mkdtemp(prefix="kit-wan-")
+    processes = []
+    for i, host in enumerate(hosts):
+        bandwidth = bandwidths[i] if bandwidths is not None else None
+        args = [f"--index={i}", f"--peers={n}", f"--run-dir={run_dir}", f"--rounds={rounds}"]
+        args += [f"--host={sim.host(host).address}", f"--size-mb={size_mb}"]
+        if bandwidth is not None:
+            args.append(f"--bandwidth={bandwidth}")
+        processes.append(sim.python(host, MODULE, *args))
+    results = []
+    give_up = time.monotonic() + timeout
+    for host, process in zip(hosts, processes, strict=True):
+        try:
+            out, _ = process.communicate(timeout=max(1.0, give_up - time.monotonic()))
+        except Exception as e:
+            raise RuntimeError(f"averaging peer in {host} did not finish: {e!r}") from e
+        lines = out.decode().strip().splitlines()
+        if process.returncode != 0 or not lines:
+            raise RuntimeError(f"averaging peer in {host} failed ({process.returncode})")
+        results.append(json.loads(lines[-1]))
+    table = []
+    for r in range(rounds):
+        records = [next(x for x in p["rounds"] if x["round"] == r) for p in results]
+        ok = all(x["ok"] for x in records)
+        row: dict[str, Any] = {"round": r, "ok": ok}
+        row["round_s"] = max(x["total_s"] for x in records)
+        if ok:
+            row["allreduce_s"] = max(x["allreduce_s"] for x in records)
+            row["part_sizes"] = {
+                host: x["part_sizes"][x["position"]] for host, x in zip(hosts, records, strict=True)
+            }
+        table.append(row)
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="one averaging peer of a NetSim scenario")
+    parser.add_argument("--index", type=int, required=True)
+    parser.add_argument("--peers", type=int, required=True)
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--host", required=True)
+    parser.add_argument("--size-mb", type=float, required=True)
+    parser.add_argument("--rounds", type=int, required=True)
+    parser.add_argument("--bandwidth", type=float, default=None)
+    parser.add_argument("--min-matchmaking-time", type=float, default=2.0)
+    args = parser.parse_args(argv)
+    print(json.dumps(run_peer(args)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
