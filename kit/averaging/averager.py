@@ -460,6 +460,15 @@ class DecentralizedAverager:
         """The group key suffix of the next rounds (hivemind's name)."""
         return self._require().matchmaking.group_bits
 
+    def set_target_group_size(self, size: int | None) -> None:
+        """Begin the next rounds as soon as ``size`` peers joined (None: wait min_matchmaking_time).
+
+        The collaborative optimizer sets it to the number of peers it expects at its epoch, so a
+        round does not idle for the whole matchmaking time once everyone is there.
+        """
+        matchmaking = self._require().matchmaking
+        matchmaking.settings = dataclasses.replace(matchmaking.settings, target_group_size=size)
+
     def set_group_bits(self, group_bits: str) -> None:
         """Only averagers with the same group bits average together (e.g. the same epoch)."""
         if set(group_bits) - {"0", "1"}:

@@ -413,6 +413,9 @@ class Optimizer(torch.optim.Optimizer):
         # Tag the round with our epoch (hivemind's group bits): peers at different epochs never
         # average together, so a late peer cannot mix its stale gradients into the next step.
         averager.set_group_bits(format(self.local_epoch % 2**20, "020b"))
+        # Everyone the tracker sees at our epoch (auxiliary peers included): begin when they are in.
+        expected = self.tracker.peers_at_epoch(self.local_epoch)
+        averager.set_target_group_size(expected if expected >= 2 else None)
         try:
             # The timeout bounds the search for a group; the all-reduce has its own (allreduce_timeout).
             return averager.step(weight=weight, timeout=2 * self.matchmaking_time + 1.0)

@@ -222,6 +222,11 @@ class ProgressTracker:
             max_refresh_period=self.max_refresh_period,
         )
 
+    def peers_at_epoch(self, epoch: int) -> int:
+        """Peers (this one included) whose last record is at ``epoch`` or, for auxiliary peers, any."""
+        others = sum(1 for r in self._others if r.epoch == epoch or r.auxiliary)
+        return others + (1 if self.local.epoch == epoch else 0)
+
     @property
     def ready_to_update_epoch(self) -> bool:
         """The collaboration has the target batch for our epoch, or has moved past it."""

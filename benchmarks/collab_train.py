@@ -1,0 +1,221 @@
+"""Collaborative training with kit.Optimizer on loopback, plus a late joiner: the same model, batch
+settings and output fields as hivemind's anchor (``shared/anchors/hivemind/collab_train.py``).
+
+    python benchmarks/collab_train.py --peers 2 --duration 90 --late-join
+
+Phase 1: N peer processes train a ~5.3M-parameter MLP (512-2048-2048-10) on synthetic data
+(labels from a fixed random linear teacher) with target_batch_size=256, batch_size_per_step=32,
+Adam, gradient averaging, matchmaking_time=3. Figures cover [T0, T0 + duration], T0 = when every
+peer has made its first step. Phase 2 (--late-join): one more peer starts at T0 + duration,
+downloads the state and trains; time_to_join_s = from its launch to the end of its first step at
+the collaboration's epoch. One JSON line: ``full_window.samples_per_s``,
+``full_window.epochs_advanced``, ``full_window.fraction_outside_fwd_bwd``,
+``full_window.longest_stall_s``, ``late_join.time_to_join_s``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def peer_main(args: argparse.Namespace) -> None:
+    import torch
+
+    import kit
+
+    torch.set_num_threads(1)
+    launched = float(args.launched)
+    torch.manual_seed(0)
+    teacher = torch.randn(args.in_dim, 10)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(args.in_dim, args.hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(args.hidden, args.hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(args.hidden, 10),
+    )
+    dht = kit.DHT(
+        initial_peers=[args.initial_peer] if args.initial_peer else [],
+        host="127.0.0.1",
+        client_mode=False,
+    )
+    if not args.initial_peer:
+        with open(args.events + ".addr", "w") as file:
+            file.write(dht.get_visible_maddrs()[0])
+    opt = kit.Optimizer(
+        dht=dht,
+        run_id="bench",
+        target_batch_size=args.target_batch_size,
+        batch_size_per_step=args.batch_size,
+        optimizer=torch.optim.Adam(model.parameters(), lr=1e-3),
+        matchmaking_time=args.matchmaking_time,
+        averaging_timeout=args.averaging_timeout,
+    )
+    if args.late:
+        opt.load_state_from_peers()
+    generator = torch.Generator().manual_seed(os.getpid())
+    deadline = time.time() + args.deadline
+    with open(args.events, "w") as events:
+        while time.time() < deadline and not os.path.exists(args.stop):
+            inputs = torch.randn(args.batch_size, args.in_dim, generator=generator)
+            labels = (inputs @ teacher).argmax(-1)
+            start = time.time()
+            loss = torch.nn.functional.cross_entropy(model(inputs), labels)
+            loss.backward()
+            computed = time.time()
+            opt.step()
+            opt.zero_grad()
+            synced = opt.local_epoch >= opt.tracker.global_progress.epoch
+            events.write(
+                json.dumps(
+                    [start, computed, time.time(), opt.local_epoch, synced, round(loss.item(), 4)]
+                )
+                + "\n"
+            )
+            events.flush()
+            if args.late and synced and not os.path.exists(args.events + ".joined"):
+                with open(args.events + ".joined", "w") as file:
+                    file.write(str(time.time() - launched))
+    opt.shutdown()
+    dht.shutdown()
+
+
+def window(events: list[list[float]], t0: float, t1: float) -> dict[str, float]:
+    inside = [e for e in events if t0 <= e[0] and e[2] <= t1]
+    compute = sum(e[1] - e[0] for e in inside)
+    gaps = [b[0] - a[2] for a, b in zip(inside, inside[1:], strict=False)] + [
+        e[2] - e[1] for e in inside
+    ]
+    return {
+        "samples": len(inside),
+        "epochs_advanced": (inside[-1][3] - inside[0][3]) if inside else 0,
+        "fwd_bwd_s": compute,
+        "longest_stall_s": max(gaps, default=0.0),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--peers", type=int, default=2)
+    parser.add_argument("--duration", type=float, default=90.0)
+    parser.add_argument("--late-join", action="store_true")
+    parser.add_argument("--post-join-s", type=float, default=15.0)
+    parser.add_argument("--target-batch-size", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--matchmaking-time", type=float, default=3.0)
+    parser.add_argument("--averaging-timeout", type=float, default=30.0)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--in-dim", type=int, default=512)
+    parser.add_argument("--role", default="launcher", help=argparse.SUPPRESS)
+    for name in ("initial-peer", "events", "stop", "launched"):
+        parser.add_argument(f"--{name}", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--late", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--deadline", type=float, default=600.0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.role == "peer":
+        return peer_main(args)
+
+    folder = tempfile.mkdtemp(prefix="kit-collab-")
+    stop = os.path.join(folder, "stop")
+    common = [
+        "--role",
+        "peer",
+        "--stop",
+        stop,
+        "--target-batch-size",
+        str(args.target_batch_size),
+        "--batch-size",
+        str(args.batch_size),
+        "--matchmaking-time",
+        str(args.matchmaking_time),
+        "--averaging-timeout",
+        str(args.averaging_timeout),
+        "--hidden",
+        str(args.hidden),
+        "--in-dim",
+        str(args.in_dim),
+    ]
+
+    def launch(index: int, initial: str, late: bool = False) -> subprocess.Popen[bytes]:
+        extra = ["--late"] if late else []
+        return subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                *common,
+                "--events",
+                os.path.join(folder, f"peer{index}"),
+                "--initial-peer",
+                initial,
+                "--launched",
+                str(time.time()),
+                *extra,
+            ]
+        )
+
+    processes = [launch(0, "")]
+    address_file = os.path.join(folder, "peer0.addr")
+    while not os.path.exists(address_file):
+        time.sleep(0.1)
+    with open(address_file) as file:
+        address = file.read().strip()
+    processes += [launch(i, address) for i in range(1, args.peers)]
+
+    def read(index: int) -> list[list[float]]:
+        path = os.path.join(folder, f"peer{index}")
+        return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+
+    while not all(read(i) for i in range(args.peers)):
+        time.sleep(0.2)
+    t0 = max(read(i)[0][0] for i in range(args.peers))
+    time.sleep(max(0.0, t0 + args.duration - time.time()))
+    t1 = t0 + args.duration
+    result: dict[str, object] = {
+        "bench": "collab_train",
+        "impl": "kit",
+        "peers": args.peers,
+        "duration": args.duration,
+    }
+    late_result = None
+    if args.late_join:
+        late = launch(args.peers, address, late=True)
+        joined = os.path.join(folder, f"peer{args.peers}.joined")
+        deadline = time.time() + 120
+        while not os.path.exists(joined) and time.time() < deadline and late.poll() is None:
+            time.sleep(0.1)
+        time.sleep(args.post_join_s)
+        late_result = {"time_to_join_s": None}
+        if os.path.exists(joined):
+            with open(joined) as file:
+                late_result["time_to_join_s"] = round(float(file.read()), 2)
+        processes.append(late)
+    open(stop, "w").close()
+    for process in processes:
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+    windows = [window(read(i), t0, t1) for i in range(args.peers)]
+    samples = sum(w["samples"] for w in windows) * args.batch_size
+    wall = args.duration * args.peers
+    result["full_window"] = {
+        "samples_per_s": round(samples / args.duration, 1),
+        "epochs_advanced": min(w["epochs_advanced"] for w in windows),
+        "fraction_outside_fwd_bwd": round(1 - sum(w["fwd_bwd_s"] for w in windows) / wall, 3),
+        "longest_stall_s": round(max(w["longest_stall_s"] for w in windows), 2),
+    }
+    if late_result is not None:
+        result["late_join"] = late_result
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
