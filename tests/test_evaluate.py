@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,22 +18,12 @@ from kit.errors import (
     VocabularyMismatch,
 )
 from tests.evaluation import tiny
+from tests.evaluation.conftest import one_torch_thread  # noqa: F401  (autouse fixture)
 
 QUICK = evaluate.FinetuneConfig(
     learning_rate=1e-2, num_epochs=3, batch_size=8, warmup_ratio=0.0, patience=None, device="cpu"
 )
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """Models this small run fastest on one thread, and two threads thrash on a busy 2-core box."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
