@@ -159,7 +159,6 @@ class Optimizer(torch.optim.Optimizer):
         self._accumulators = [torch.zeros_like(p, dtype=torch.float32) for p in self._params]
         self._grad_buffers = [torch.zeros(p.shape, dtype=torch.float32) for p in self._params]
         self._state_buffers = [torch.zeros(p.shape, dtype=torch.float32) for p in self._params]
-        self._failed_rounds = 0
         self._runtime = get_runtime()
         client = dht.client_mode if client_mode is None else client_mode
         averaging = dict(
@@ -353,7 +352,7 @@ class Optimizer(torch.optim.Optimizer):
     def _global_step(self) -> None:
         epoch = self.local_epoch
         if self.use_local_updates:
-            self._average_state(force=True)
+            self._average_state()
         elif self._local_samples > 0:
             with self.grad_averager.get_tensors() as buffers:
                 for buffer, accumulator in zip(buffers, self._accumulators, strict=True):
@@ -420,11 +419,10 @@ class Optimizer(torch.optim.Optimizer):
             # The timeout bounds the search for a group; the all-reduce has its own (allreduce_timeout).
             return averager.step(weight=weight, timeout=2 * self.matchmaking_time + 1.0)
         except (TransientError, KitTimeout, KitError) as e:
-            self._failed_rounds += 1
             logger.warning("averaging round failed: %s", e)
             return None
 
-    def _average_state(self, force: bool = False) -> None:
+    def _average_state(self) -> None:
         with self.state_averager.get_tensors() as buffers:
             for buffer, param in zip(buffers, self._params, strict=True):
                 buffer.copy_(param.detach().float().cpu())
