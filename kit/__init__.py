@@ -13,6 +13,13 @@ Map of the package (data flows down this list; each room imports only rooms abov
     optim/           kit.Optimizer: DeDLOC's collaborative optimizer, progress, state sharing
     data/            streaming tokenization pipeline, ALBERT MLM+SOP examples, tokenizer recipe
     hardware/        detect the machine, plan device / precision / micro-batch
+    metrics/         contribution records and their aggregation (leaderboard, loss curve)
+    training/        model and optimizer from a RunConfig, the training loop, checkpoints
+    dashboard/       the coordinator's web page and JSON API (torch-free)
+    ui/              notebook widgets (login, live panel) and the console reporter
+    volunteer.py     the volunteer's entry module: kit.join / `kit join` (join.ipynb)
+    coordinator.py   the organizer's entry module: `kit coordinator` (config.ipynb)
+    demo.py          `kit demo`: a coordinator and 3 volunteers on this machine
     evaluate.py      the researcher's entry module (evaluation/ holds its parts)
     testing/         fake Hugging Face Hub, network namespaces (tests and dry runs)
     cli.py           the ``kit`` command
@@ -27,6 +34,11 @@ __version__ = "0.1.0"
 # hivemind's top-level names, so a hivemind script ports by changing its imports. Loaded lazily
 # (PEP 562): ``import kit`` imports neither torch nor the network stack.
 _EXPORTS = {
+    "join": "kit.volunteer",
+    "Volunteer": "kit.volunteer",
+    "Coordinator": "kit.coordinator",
+    "CoordinatorOptions": "kit.coordinator",
+    "RunConfig": "kit.config",
     "DHT": "kit.dht",
     "get_dht_time": "kit.dht",
     "Optimizer": "kit.optim",

@@ -14,6 +14,9 @@ from collections.abc import Sequence
 
 # Modules that register sub-commands, in the order ``kit --help`` lists them.
 COMMAND_MODULES = (
+    "kit.demo",
+    "kit.volunteer",
+    "kit.coordinator",
     "kit.p2p.demo",
     "kit.data.cli",
     "kit.evaluation.command",

@@ -397,3 +397,28 @@ class StateDownloadFailed(TransientError):
 
 class NetnsUnavailable(KitError):
     """Network namespaces cannot be built here (not root, or iproute2/nftables missing/failing)."""
+
+
+# --- robust aggregation (kit.averaging.robust) --------------------------------------------------
+
+
+class NothingToAggregate(KitError, ValueError):
+    """Robust aggregation got no finite vector with a positive weight (or overflowed)."""
+
+
+# --- checkpoints (kit.training.checkpoints) ---------------------------------------------------
+
+
+class MalformedTrainingState(CheckpointError):
+    """A checkpoint's ``training_state`` files are missing, unreadable or wrongly structured."""
+
+
+class CheckpointRestoreFailed(CheckpointError, TransientError):
+    """(transient) The newest checkpoint could not be fetched from the Hub; retry later."""
+
+
+# --- metrics (kit.metrics) ----------------------------------------------------------------------
+
+
+class MetricsStateError(KitError, ValueError):
+    """The coordinator's saved contribution book (metrics state file) cannot be read."""

@@ -9,7 +9,9 @@ Butterfly all-reduce (DeDLOC §3.2, hivemind's ``AllReduceRunner``): peer i of t
 i of the flat vector. Every sender opens one stream to each other aggregator and sends that
 part's chunks in order; the aggregator adds each chunk, weighted, to a float32 accumulator, and as
 soon as a chunk has been received from every sender, streams its average back on every sender's
-stream. Sending, summing and receiving overlap. A client-mode peer dials aggregators (through a
+stream. Sending, summing and receiving overlap (except with ``robust_aggregation="centered_clip"``:
+the aggregator then keeps every sender's part and sends the averages once the part is complete,
+``kit.averaging.robust``). A client-mode peer dials aggregators (through a
 relay if need be) and aggregates nothing; an auxiliary peer aggregates and sends nothing.
 
 Stream ``kit/averaging/allreduce/1`` (sender -> aggregator, both ways on one stream)::
@@ -49,12 +51,14 @@ from kit.averaging.chunk_stream import (
 from kit.averaging.compression import CompressionBase, is_finite
 from kit.averaging.group import GroupInfo
 from kit.averaging.partition import ChunkSpec, PartitionPlan, PartReducer, PartReport, RoundReport
+from kit.averaging.robust import Aggregation, ClippedPartReducer
 from kit.errors import (
     GroupMismatch,
     InvalidChunk,
     InvalidTensor,
     KitTimeout,
     NonFiniteLocalTensor,
+    NothingToAggregate,
     PeerError,
     PeerUnavailable,
     RemoteError,
@@ -92,7 +96,11 @@ class AllReduceRunner:
         compression: CompressionBase,
         timeouts: Timeouts,
         buffers: RoundBuffers,
+        aggregation: Aggregation | None = None,
     ) -> None:
+        """``aggregation``: how this peer reduces its own part; None or "mean": the streamed
+        weighted mean; "centered_clip": ``kit.averaging.robust`` (the whole part is gathered
+        first, so its averages go back only once every sender's part is in)."""
         me = group.index(peer.peer_id)
         assert me is not None, "the runner's peer must be a member of the group"
         self.peer, self.prefix, self.group, self.me = peer, prefix, group, me
@@ -103,8 +111,11 @@ class AllReduceRunner:
         self.reducer: PartReducer | None = None
         if plan.part_sizes[me] > 0:
             senders = {group.peers[i]: group.weights[i] for i in group.senders}
-            accumulator = buffers.accumulator_for(plan.part_sizes[me])
-            self.reducer = PartReducer(plan, me, senders, group.group_id, accumulator)
+            if aggregation is not None and aggregation.method == "centered_clip":
+                self.reducer = ClippedPartReducer(plan, me, senders, group.group_id, aggregation)
+            else:
+                accumulator = buffers.accumulator_for(plan.part_sizes[me])
+                self.reducer = PartReducer(plan, me, senders, group.group_id, accumulator)
         self.sender_bits = {group.peers[i]: 1 << i for i in group.senders}
         n_chunks = len(plan.parts[me])
         self._averaged: list[tuple[bytes, memoryview | None] | None] = [None] * n_chunks
@@ -172,7 +183,8 @@ class AllReduceRunner:
             reducer = self.reducer
             if reducer is None:
                 return PartReport(k, senders, ())
-            if all(reducer.is_complete(c) for c in range(len(reducer.chunks))):
+            clipping = isinstance(reducer, ClippedPartReducer) and not reducer.computed
+            if not clipping and all(reducer.is_complete(c) for c in range(len(reducer.chunks))):
                 return reducer.report()
             # Cut off by the deadline: the senders will not get the rest either, so nobody
             # writes this part (all or nothing, as for a part whose aggregator failed).
@@ -349,8 +361,28 @@ class AllReduceRunner:
         """These chunks of our part are averaged: encode each once for every sender's stream."""
         if not chunks:
             return
+        reducer = self.reducer
+        if isinstance(reducer, ClippedPartReducer) and not reducer.computed:
+            self._spawn(self._clip_then_complete(reducer, chunks))
+            return
         for chunk in chunks:
             self._averaged[chunk] = self._encode_average(chunk)
+        self._advance()
+
+    async def _clip_then_complete(self, reducer: ClippedPartReducer, chunks: Sequence[int]) -> None:
+        # CenteredClip reads senders x part a few dozen times: off the event loop, which also
+        # serves the DHT and the other streams. The reducer writes only its own buffers.
+        try:
+            await asyncio.to_thread(reducer.compute)
+        except NothingToAggregate as e:  # nobody gets this part: it stays local everywhere
+            logger.warning("part %d not averaged: %s", self.me, e)
+            for chunk in chunks:
+                self._averaged[chunk] = wire.packb({"chunk": chunk, "peers": 0}), None
+            self._advance()
+            return
+        self._completed(chunks)
+
+    def _advance(self) -> None:
         while self._ready < len(self._averaged) and self._averaged[self._ready] is not None:
             self._ready += 1
         progress, self._progress = self._progress, asyncio.Event()

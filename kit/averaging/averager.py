@@ -292,6 +292,7 @@ class AsyncAverager:
                 self.settings.compression,
                 timeouts,
                 self.buffers,
+                self.settings.aggregation,
             )
             self._runners[group.group_id] = runner
             registered, self._registered = self._registered, asyncio.Event()
@@ -382,6 +383,9 @@ class DecentralizedAverager:
         start: start serving at once (else call ``run_in_background``).
         prefix, target_group_size, ...: see ``AveragerSettings`` (hivemind's names and meanings).
         compression: codec of every chunk (``kit.averaging.NoCompression`` by default).
+        robust_aggregation, clip_tau, clip_iterations: ``"centered_clip"`` makes each peer
+            reduce its part with CenteredClip instead of the weighted mean, so that a byzantine
+            sender cannot drag the average (``kit.averaging.robust``: what it does not cover).
 
     Raises:
         ConfigError: bad settings or tensors.

@@ -21,6 +21,7 @@ from kit.averaging.compression import (
 )
 from kit.averaging.matchmaking import MatchmakingSettings
 from kit.averaging.partition import DEFAULT_PART_SIZE_BYTES
+from kit.averaging.robust import Aggregation
 from kit.errors import ConfigError
 
 
@@ -44,6 +45,9 @@ class AveragerSettings:
     client_mode: bool | None = None  # True: accepts no connections (aggregates nothing); None: as the DHT's peer
     auxiliary: bool = False  # aggregates for others but contributes no tensors (a helper with bandwidth)
     compression: CompressionBase = dataclasses.field(default_factory=NoCompression)  # codec of every chunk
+    robust_aggregation: str = "mean"  # "centered_clip" if peers may send garbage (kit.averaging.robust); costs senders x part memory
+    clip_tau: float | None = None  # CenteredClip radius; None: median distance per round. Lower it if bad peers still move the loss
+    clip_iterations: int = 20  # CenteredClip steps at most; lower it if reducing a big part is slow, raise it if tau is tiny
     # fmt: on
 
     def __post_init__(self) -> None:
@@ -69,6 +73,12 @@ class AveragerSettings:
                 " - help: use client_mode=False (or None) with auxiliary=True"
             )
         _ = self.matchmaking  # validates the group settings
+        _ = self.aggregation  # validates the robust aggregation settings
+
+    @property
+    def aggregation(self) -> Aggregation:
+        """How this peer reduces its own part (the plain mean, or CenteredClip)."""
+        return Aggregation(self.robust_aggregation, self.clip_tau, self.clip_iterations)
 
     @property
     def matchmaking(self) -> MatchmakingSettings:

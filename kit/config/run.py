@@ -263,7 +263,7 @@ class RunConfig:
                 max_seq_length=128,
                 shuffle_buffer_size=1_000,
             ),
-            optimizer=OptimizerConfig(lr=0.001, warmup_steps=10, total_steps=1_000),
+            optimizer=OptimizerConfig(lr=0.01, warmup_steps=5, total_steps=1_000),
             collaboration=CollaborationConfig(
                 run_id="kit-demo",
                 target_batch_size=64,

@@ -70,7 +70,7 @@ def _handle(args: argparse.Namespace) -> int:
 
 
 def add_command(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    parser = subparsers.add_parser("demo", help="start two local peers and exchange a tensor")
+    parser = subparsers.add_parser("p2p-demo", help="start two local peers and exchange a tensor")
     parser.add_argument("--size-mb", type=int, default=64, help="tensor size in MiB")
     parser.add_argument("--repeats", type=int, default=5, help="how many times to send it")
     parser.set_defaults(handler=_handle)

@@ -473,8 +473,11 @@ class Peer:
     async def _serve_http(self, connection: Any, request: Any) -> Any:
         path, _, query = request.path.partition("?")
         handler = self._http_routes.get(path)
-        if handler is None:
-            return None  # a websocket upgrade (or websockets' own 426 answer)
+        upgrade = request.headers.get("Upgrade", "").lower() == "websocket"
+        if handler is None or upgrade:
+            # A websocket upgrade (peers dial "/", where the dashboard's page also lives), or
+            # websockets' own 426 answer.
+            return None
         host = connection.remote_address[0] if connection.remote_address else ""
         http_request = HttpRequest(
             path=path,

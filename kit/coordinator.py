@@ -1,0 +1,379 @@
+"""The organizer's coordinator (``notebooks/config.ipynb``, ``kit coordinator --config run.yaml``).
+
+One process that runs everything a collaboration needs besides the volunteers (DeDLOC's
+sahajBERT ran these as five separate scripts): a public bootstrap DHT peer that also relays for
+volunteers behind NAT, the token endpoint of allowlisted runs (``kit.auth``), the run info and
+tokenizer that volunteers fetch when they join, the metrics collector and its dashboard
+(``kit.metrics``, ``kit.dashboard``), an auxiliary averaging peer, and periodic checkpoints pushed
+to the Hub (``kit.training.checkpoints``). It survives its own restart: volunteers keep training
+through the DHT meanwhile; it reloads its identity, the leaderboard and the newest checkpoint,
+and serves that checkpoint to peers when the collaboration has nothing newer.
+
+Volunteers' peers only ever dial out to it: give it a public address (``announce``) and serve
+``wss://`` with ``tls_certfile``/``tls_keyfile``, or put it behind a TLS reverse proxy on 443.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from kit.config import RunConfig
+from kit.errors import ConfigError, KitError
+from kit.p2p.identity import b58decode, b58encode, load_identity
+
+logger = logging.getLogger(__name__)
+
+#: Where volunteers fetch the run (config, bootstrap addresses, authority key).
+RUN_INFO_PATH = "/api/run"
+#: Where volunteers fetch the tokenizer when the run has no Hub repo for it.
+TOKENIZER_PATH = "/api/tokenizer.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class CoordinatorOptions:
+    """What differs between coordinator machines (run.yaml holds what the run is)."""
+
+    # fmt: off
+    host: str = "0.0.0.0"  # where to listen; the default accepts volunteers on every interface
+    port: int = 0  # listening port; 0 = any free one (fix it on a server: volunteers need it)
+    announce: tuple[str, ...] = ()  # public addresses to hand out, e.g. /dns/run.example.org/tcp/443/wss
+    tls_certfile: str | None = None  # serve wss:// with this certificate chain (PEM)
+    tls_keyfile: str | None = None  # ... and this private key (PEM)
+    state_dir: str = "coordinator"  # identity, authority key, leaderboard and checkpoints live here
+    tokenizer_dir: str | None = None  # a tokenizer folder to hand to volunteers (no Hub repo needed)
+    hub_token: str | None = None  # Hub token with write access, for checkpoint pushes (None: $HF_TOKEN)
+    hf_endpoint: str | None = None  # the Hub to talk to (None: $HF_ENDPOINT or huggingface.co)
+    auxiliary_peer: bool = True  # run an auxiliary averaging peer (and the checkpointer) here
+    metrics_period: float = 10.0  # seconds between metrics collections; lower it for demos
+    # fmt: on
+
+    def __post_init__(self) -> None:
+        if (self.tls_certfile is None) != (self.tls_keyfile is None):
+            raise ConfigError(
+                "coordinator: tls_certfile and tls_keyfile go together - help: give both or neither"
+            )
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"coordinator: port {self.port} - help: use 1-65535, or 0 for any")
+
+
+def authority_key_path(state_dir: str | Path) -> Path:
+    return Path(state_dir) / "authority.key"
+
+
+def create_authority(state_dir: str | Path) -> str:
+    """Create (or read) the run's authority key; return its public key for run.yaml (base58).
+
+    Keep ``authority.key`` secret and backed up: whoever holds it can let anyone in.
+    """
+    identity, lock = load_identity(authority_key_path(state_dir))
+    lock.release()
+    return b58encode(identity.public_key)
+
+
+class Coordinator:
+    """Everything the organizer runs, started by :meth:`start`, stopped by :meth:`shutdown`.
+
+    Example::
+
+        coordinator = Coordinator(RunConfig.from_file("run.yaml"), CoordinatorOptions(port=8765))
+        coordinator.start()
+        print(coordinator.join_url)       # hand this to volunteers
+    """
+
+    def __init__(self, config: RunConfig, options: CoordinatorOptions | None = None) -> None:
+        self.config = config
+        self.options = options or CoordinatorOptions()
+        self.state_dir = Path(self.options.state_dir)
+        self.dht: Any = None
+        self.collector: Any = None
+        self.issuer: Any = None
+        self.token_endpoint: Any = None
+        self.auxiliary: Any = None
+        self._locks: list[Any] = []
+        self._addresses: list[str] = []
+        self._started = False
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the DHT peer, the services and the auxiliary peer; returns when all are up."""
+        from kit.dht import DHT
+
+        if self._started:
+            raise KitError("this coordinator is already running - help: create a new one")
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        identity, lock = load_identity(self.state_dir / "identity.key")
+        self._locks.append(lock)
+        authorizer = self._load_authority(identity)
+        tokenizer_dir = self.options.tokenizer_dir
+        if tokenizer_dir is not None and not (Path(tokenizer_dir) / "tokenizer.json").is_file():
+            raise ConfigError(
+                f"coordinator: no tokenizer.json in {tokenizer_dir} - help: train one with "
+                "`kit tokenizer train` or leave tokenizer_dir unset"
+            )
+        peer_options: dict[str, Any] = dict(
+            identity=identity,
+            run_id=self.config.collaboration.run_id,
+            config_hash=self.config.config_hash(),
+            relay_service=True,
+            tls_certfile=self.options.tls_certfile,
+            tls_keyfile=self.options.tls_keyfile,
+        )
+        if authorizer is not None:
+            peer_options["authorizer"] = authorizer
+        self.dht = DHT(
+            host=self.options.host,
+            port=self.options.port,
+            announce=list(self.options.announce) or None,
+            client_mode=False,
+            peer_options=peer_options,
+        )
+        self._started = True
+        try:
+            # Cached: the run-info route answers on the loop, where blocking calls are not allowed.
+            self._addresses = list(self.dht.get_visible_maddrs())
+            self.dht.run_coroutine(self._start_services)
+            if self.options.auxiliary_peer:
+                from kit.training.auxiliary import AuxiliaryPeer
+
+                self.auxiliary = AuxiliaryPeer(
+                    self.config,
+                    self.dht,
+                    checkpoint_root=self.state_dir,
+                    hub_token=self.options.hub_token,
+                    hf_endpoint=self.options.hf_endpoint,
+                    tokenizer_dir=self.options.tokenizer_dir,
+                    loss=self.latest_loss,
+                )
+                self.auxiliary.start()
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("coordinator of %r is up: %s", self.config.collaboration.run_id, self.join_url)
+        logger.info("dashboard: %s", self.dashboard_url)
+
+    def _load_authority(self, peer_identity: Any) -> Any:
+        published = self.config.access.authority_public_key
+        if published is None:
+            return None
+        from kit.auth import AllowlistAuthorizer, TokenIssuer
+
+        identity, lock = load_identity(authority_key_path(self.state_dir))
+        self._locks.append(lock)
+        if identity.public_key != b58decode(published):
+            raise ConfigError(
+                f"access.authority_public_key in run.yaml is not the key in "
+                f"{authority_key_path(self.state_dir)} - help: put "
+                f"{b58encode(identity.public_key)} in run.yaml, or point state_dir at the "
+                "folder that holds the right authority.key"
+            )
+        self.issuer = TokenIssuer(
+            identity, self.config.collaboration.run_id, lifetime=self.config.access.token_lifetime
+        )
+        # The coordinator's own peer needs a token too: issued by itself.
+        return AllowlistAuthorizer.for_coordinator(peer_identity, self.issuer)
+
+    async def _start_services(self, dht: Any, node: Any) -> None:
+        from kit.dashboard import register_dashboard
+        from kit.metrics import MetricsCollector
+
+        peer = node.peer
+        access = self.config.access
+        if self.issuer is not None:
+            from kit.auth import Allowlist, follow_revocations, serve_token_endpoint
+
+            allowlist = Allowlist(
+                usernames=frozenset(access.usernames),
+                organizations=frozenset(access.organizations),
+                open=access.open,
+            )
+            self.token_endpoint = serve_token_endpoint(
+                peer, self.issuer, allowlist, hf_endpoint=self.options.hf_endpoint
+            )
+            authorizer = peer.authorizer
+            peer.spawn(
+                follow_revocations(
+                    node, authorizer, self.config.collaboration.run_id, peer=peer, period=30.0
+                ),
+                "revocations",
+            )
+        self.collector = MetricsCollector(
+            node,
+            self.config.collaboration.run_id,
+            authority_public_key=None if self.issuer is None else self.issuer.authority_public_key,
+            state_path=self.state_dir / "leaderboard.json",
+            period=self.options.metrics_period,
+        )
+        self.collector.start()
+        register_dashboard(
+            peer,
+            self.collector,
+            title=f"kit · {self.config.collaboration.run_id}",
+            run_info=self.run_info,
+        )
+        peer.add_http_route(RUN_INFO_PATH, self._serve_run_info)
+        if self.options.tokenizer_dir is not None:
+            peer.add_http_route(TOKENIZER_PATH, self._serve_tokenizer)
+
+    def shutdown(self) -> None:
+        """Stop the auxiliary peer, the services and the DHT peer (idempotent)."""
+        if self.auxiliary is not None:
+            self.auxiliary.stop()
+            self.auxiliary = None
+        if self.dht is not None:
+            collector = self.collector
+
+            async def stop(_: Any, __: Any) -> None:
+                if collector is not None:
+                    await collector.shutdown()
+
+            if self.dht.is_alive():
+                try:
+                    self.dht.run_coroutine(stop)
+                except KitError as error:
+                    logger.warning("stopping the metrics collector: %s", error)
+            self.dht.shutdown()
+            self.dht = None
+        for lock in self._locks:
+            lock.release()
+        self._locks.clear()
+        self._started = False
+
+    def __enter__(self) -> Coordinator:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    def run_forever(self, stop: threading.Event | None = None) -> None:
+        """Block until ``stop`` is set or Ctrl+C, then shut down."""
+        stop = stop or threading.Event()
+        try:
+            while not stop.wait(1.0):
+                pass
+        except KeyboardInterrupt:
+            logger.info("Ctrl+C: stopping the coordinator")
+        finally:
+            self.shutdown()
+
+    def latest_loss(self) -> float | None:
+        """The collaboration's latest loss (samples-weighted over peers), if any was reported."""
+        if self.collector is None:
+            return None
+        summary: dict[str, Any] = self.collector.summary()
+        loss = summary.get("loss")
+        return None if loss is None else float(loss)
+
+    # --- what volunteers see -----------------------------------------------------------------
+
+    @property
+    def addresses(self) -> list[str]:
+        """The peer addresses volunteers bootstrap from."""
+        return list(self._addresses)
+
+    @property
+    def http_url(self) -> str:
+        """``http(s)://host:port`` of the coordinator's port (dashboard, token, run info)."""
+        from kit.p2p.address import parse_address
+
+        address = parse_address(self.addresses[0])
+        scheme = "https" if address.secure else "http"
+        host = f"[{address.host}]" if ":" in address.host else address.host
+        return f"{scheme}://{host}:{address.port}"
+
+    @property
+    def join_url(self) -> str:
+        """What volunteers pass to ``kit.join`` / ``kit join``."""
+        return self.http_url
+
+    @property
+    def dashboard_url(self) -> str:
+        return self.http_url + "/"
+
+    def run_info(self) -> dict[str, Any]:
+        """What ``GET /api/run`` answers: everything a volunteer needs to join."""
+        authority = self.config.access.authority_public_key
+        return {
+            "run_id": self.config.collaboration.run_id,
+            "config": self.config.to_dict(),
+            "config_hash": self.config.config_hash(),
+            "initial_peers": self.addresses,
+            "authority_public_key": authority,
+            "tokenizer_url": TOKENIZER_PATH if self.options.tokenizer_dir is not None else None,
+            "time": time.time(),
+        }
+
+    async def _serve_run_info(self, request: Any) -> Any:
+        from kit.p2p.peer import HttpResponse
+
+        body = json.dumps(self.run_info()).encode()
+        return HttpResponse(200, body, "application/json", (("Cache-Control", "no-store"),))
+
+    async def _serve_tokenizer(self, request: Any) -> Any:
+        from kit.p2p.peer import HttpResponse
+
+        assert self.options.tokenizer_dir is not None
+        body = (Path(self.options.tokenizer_dir) / "tokenizer.json").read_bytes()
+        return HttpResponse(200, body, "application/json")
+
+
+# --- the command line --------------------------------------------------------------------------
+
+
+def add_command(subparsers: Any) -> None:
+    """``kit coordinator --config run.yaml``: the organizer's one command."""
+    parser = subparsers.add_parser("coordinator", help="run a collaboration's coordinator")
+    parser.add_argument("--config", help="the run.yaml written by the config notebook")
+    parser.add_argument("--host", default="0.0.0.0", help="listen address (default: all)")
+    parser.add_argument("--port", type=int, default=0, help="listening port (0: any free one)")
+    parser.add_argument(
+        "--announce", action="append", default=[], help="public address to hand out (repeatable)"
+    )
+    parser.add_argument("--tls-cert", default=None, help="serve wss:// with this certificate")
+    parser.add_argument("--tls-key", default=None, help="... and this private key")
+    parser.add_argument("--state-dir", default="coordinator", help="keys, leaderboard, checkpoints")
+    parser.add_argument("--tokenizer-dir", default=None, help="tokenizer folder to serve")
+    parser.add_argument("--no-auxiliary", action="store_true", help="no auxiliary peer here")
+    parser.add_argument(
+        "--create-authority",
+        action="store_true",
+        help="create the authority key in --state-dir, print its public key for run.yaml, exit",
+    )
+    parser.set_defaults(handler=_coordinator_command)
+
+
+def _coordinator_command(args: Any) -> int:
+    if args.create_authority:
+        print(create_authority(args.state_dir), flush=True)
+        return 0
+    if not args.config:
+        logger.error("--config is missing - help: kit coordinator --config run.yaml")
+        return 2
+    try:
+        config = RunConfig.from_file(args.config)
+        options = CoordinatorOptions(
+            host=args.host,
+            port=args.port,
+            announce=tuple(args.announce),
+            tls_certfile=args.tls_cert,
+            tls_keyfile=args.tls_key,
+            state_dir=args.state_dir,
+            tokenizer_dir=args.tokenizer_dir,
+            auxiliary_peer=not args.no_auxiliary,
+        )
+        coordinator = Coordinator(config, options)
+        coordinator.start()
+    except KitError as error:
+        logger.error("%s", error)
+        return 1
+    print(f"join link: {coordinator.join_url}", flush=True)
+    print(f"dashboard: {coordinator.dashboard_url}", flush=True)
+    coordinator.run_forever()
+    return 0

@@ -1,0 +1,184 @@
+"""The coordinator's side of contribution accounting: fetch records, keep the book, persist it.
+
+:class:`MetricsCollector` is a task on the runtime loop that every ``period`` seconds reads all
+contribution records under ``f"{run_id}_metrics"`` from the DHT, hands them (with the public key
+that signed each one, read from its ``[owner:...]`` subkey) to its pure
+:class:`~kit.metrics.book.MetricsBook`, and writes the book to ``state_path`` (atomically: a
+temporary file, then ``os.replace``) so a restarted coordinator resumes the counts. The dashboard
+(``kit.dashboard``) reads its properties.
+
+What this module does not do: the accounting rules (``book``), publishing (``reporter``), HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from kit.dht.node import DHTNode, get_dht_time
+from kit.dht.validation import DHTRecord, find_owners
+from kit.errors import ConfigError, KitError, KitUsageError, MetricsStateError
+from kit.metrics.book import LossPoint, MetricsBook, token_verifier
+from kit.metrics.records import ContributionRecord, metrics_key
+
+logger = logging.getLogger(__name__)
+
+
+def owned_records(value: Any) -> list[tuple[bytes, ContributionRecord]]:
+    """The well-formed records of a ``node.get(metrics_key)`` answer, each with its signer's key.
+
+    The DHT has verified each owner signature already; records without exactly one owner
+    marker, or malformed, are skipped.
+    """
+    records: list[tuple[bytes, ContributionRecord]] = []
+    if not isinstance(value, dict):
+        return records
+    for subkey, entry in value.items():
+        if not isinstance(subkey, bytes):
+            continue
+        owners = find_owners(DHTRecord(b"", subkey, b"", 0.0))
+        if len(owners) != 1:
+            continue
+        record = ContributionRecord.from_dict(getattr(entry, "value", None))
+        if record is not None:
+            records.append((next(iter(owners)), record))
+    return records
+
+
+class MetricsCollector:
+    """Reads every peer's contribution record and keeps the run's :class:`MetricsBook`.
+
+    Create and :meth:`start` it on the runtime loop (the coordinator does).
+
+    Args:
+        node: the coordinator's running DHT node.
+        run_id: the run whose records to read.
+        authority_public_key: the run's token authority key; records are credited only to the
+            user their access token names. None = open run (self-declared names, unverified).
+        state_path: where to keep the book across restarts (JSON); None = in memory only.
+        period: seconds between fetches. Increase this on very large swarms.
+        book: a preconfigured book (tests, custom windows); default: a new one.
+
+    Raises:
+        ConfigError: a period that is not positive.
+    """
+
+    def __init__(
+        self,
+        node: DHTNode,
+        run_id: str,
+        *,
+        authority_public_key: bytes | None,
+        state_path: Path | None = None,
+        period: float = 10.0,
+        book: MetricsBook | None = None,
+    ) -> None:
+        if not period > 0:
+            raise ConfigError(f"MetricsCollector: period={period!r} must be > 0 seconds")
+        self.node = node
+        self.key = metrics_key(run_id)
+        self.period = period
+        self.state_path = Path(state_path) if state_path is not None else None
+        verify = None
+        if authority_public_key is not None:
+            verify = token_verifier(authority_public_key, run_id)
+        self.book = book or MetricsBook(verify)
+        if book is not None and verify is not None:
+            self.book.verify = verify
+        self._task: asyncio.Task[None] | None = None
+        self.fetches = 0  # completed fetches (diagnostics, tests)
+        self._load()
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start fetching (call on the runtime loop)."""
+        if self._task is not None:
+            raise KitUsageError("MetricsCollector.start() was called twice - help: call it once")
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(), name="kit-metrics-collector"
+        )
+
+    async def shutdown(self) -> None:
+        """Stop fetching and save the book one last time."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        self._save()
+
+    async def collect(self) -> int:
+        """Fetch the records once and feed the book; returns how many were new.
+
+        Raises:
+            KitError: the DHT lookup failed (the background loop logs it and retries).
+        """
+        result = await self.node.get(self.key, latest=True)
+        records = owned_records(result.value if result is not None else None)
+        accepted = self.book.add(records, get_dht_time())
+        self.fetches += 1
+        return accepted
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                if await self.collect():
+                    self._save()
+            except KitError as e:  # the DHT recovers; the next period retries
+                logger.debug("fetching metrics records failed: %s", e)
+            await asyncio.sleep(self.period)
+
+    # --- what the dashboard reads ---------------------------------------------------------
+
+    def summary(self) -> dict[str, Any]:
+        """:meth:`MetricsBook.summary` now."""
+        return self.book.summary(get_dht_time())
+
+    def loss_curve(self) -> list[LossPoint]:
+        return self.book.loss_curve()
+
+    def leaderboard(self) -> list[dict[str, Any]]:
+        """:meth:`MetricsBook.leaderboard` now."""
+        return self.book.leaderboard(get_dht_time())
+
+    # --- persistence ----------------------------------------------------------------------
+
+    def _load(self) -> None:
+        if self.state_path is None or not self.state_path.exists():
+            return
+        try:
+            self.book.load_json(self.state_path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, MetricsStateError) as e:
+            aside = self.state_path.with_name(self.state_path.name + ".unreadable")
+            logger.warning(
+                "cannot read the metrics state %s (%s); starting from zero and keeping the old "
+                "file as %s - help: restore it from a backup if the counts matter",
+                self.state_path,
+                e,
+                aside,
+            )
+            try:
+                os.replace(self.state_path, aside)
+            except OSError:
+                pass
+            return
+        logger.info("resumed the contribution counts from %s", self.state_path)
+
+    def _save(self) -> None:
+        if self.state_path is None:
+            return
+        temporary = self.state_path.with_name(self.state_path.name + ".tmp")
+        try:
+            self.state_path.parent.mkdir(parents=True, exist_ok=True)
+            temporary.write_text(self.book.to_json(), encoding="utf-8")
+            os.replace(temporary, self.state_path)  # atomic: a crash leaves the old or the new
+        except OSError as e:
+            logger.warning(
+                "cannot save the metrics state to %s: %s - help: check free disk space and "
+                "permissions of that folder",
+                self.state_path,
+                e,
+            )

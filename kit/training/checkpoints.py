@@ -1,0 +1,754 @@
+"""The coordinator's checkpoints of the shared model: save, prune, push to the Hub, restore.
+
+Holds :func:`save_checkpoint` / :func:`load_training_state` (one checkpoint folder, written
+atomically, read back without pickle) and :class:`CheckpointManager` (when to save, how many to
+keep, when to push, what to restore after a restart). It does not decide *what* the state is
+(the coordinator downloads it from peers) nor evaluate checkpoints (``kit.evaluation``).
+
+One checkpoint is one folder, in the series format that ``kit.evaluation.checkpoints`` lists::
+
+    <checkpoint.folder>/
+        step_000120/
+            config.json, model.safetensors   model.save_pretrained(folder)
+            training_state.safetensors       every optimizer/scheduler tensor, by a stable name
+            training_state.json              the rest of their structure, step, loss, time, hash
+            tokenizer.json ...               copied from the run's tokenizer folder, if given
+            kit_checkpoint.json              {"step": 120, "loss": 3.21, ...} (written last)
+        .incomplete/                         folders being written or deleted; never listed
+
+A folder is built under ``.incomplete/`` and renamed into place in one ``os.replace``, so a crash
+mid-save leaves nothing that :meth:`CheckpointManager.latest` or ``kit.evaluate`` would pick up
+(sahajBERT's coordinator wrote in place, and a kill during ``save_pretrained`` left a torn
+checkpoint behind). Nothing is unpickled: hivemind's ``optimizer_state.pt`` needs ``torch.load``,
+which runs code from whoever wrote the file; here a checkpoint downloaded from the Hub is
+safetensors + JSON and validated before use.
+
+On the Hub the repo's root always holds the newest checkpoint (so ``from_pretrained(repo)`` gets
+the latest model), and its history is the series: each push is one commit titled
+``"step 120, loss 3.2100"``, which ``kit.evaluation.checkpoints.parse_commit_title`` reads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save_file as save_safetensors
+from tqdm.auto import tqdm
+
+from kit.errors import (
+    CheckpointError,
+    CheckpointRestoreFailed,
+    KitUsageError,
+    MalformedTrainingState,
+)
+from kit.evaluation.checkpoints import (
+    CHECKPOINT_FOLDER_FORMAT,
+    CHECKPOINT_INFO_FILE,
+    read_checkpoint_info,
+    write_checkpoint_info,
+)
+
+if TYPE_CHECKING:
+    from kit.config import CheckpointConfig, RunConfig
+
+logger = logging.getLogger(__name__)
+
+TRAINING_STATE_TENSORS = "training_state.safetensors"
+TRAINING_STATE_JSON = "training_state.json"
+#: Where folders are built before they are renamed into place (and moved to before deletion).
+STAGING_FOLDER = ".incomplete"
+#: Bumped when the layout of training_state.json changes; readers refuse other versions.
+TRAINING_STATE_VERSION = 1
+#: A failed push is retried after at most this many seconds (or push_every_minutes if shorter).
+PUSH_RETRY_SECONDS = 60.0
+
+_FOLDER_NAME = re.compile(r"^step_(\d+)$")
+_MAX_JSON_BYTES = 64 * 1024**2  # the structure of an optimizer state is kilobytes; refuse junk
+_ALLOWED_DTYPES = frozenset(
+    {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool}
+    | {torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64}
+)
+_TAGS = ("__tensor__", "__float__", "__tuple__", "__dict__")  # one-key JSON objects = encoded
+
+
+class SavedTrainingState(NamedTuple):
+    """What :func:`load_training_state` returns; unpacks as ``step, optimizer, scheduler, info``."""
+
+    step: int  # the global optimizer step (hivemind's "epoch") the state belongs to
+    optimizer_state: dict[str, Any]  # for optimizer.load_state_dict(...)
+    scheduler_state: dict[str, Any] | None  # for scheduler.load_state_dict(...), None if none
+    info: dict[str, Any]  # loss, time, config_hash, version (training_state.json minus structure)
+
+
+# --- one checkpoint folder --------------------------------------------------------------------
+
+
+def save_checkpoint(
+    folder_root: str | os.PathLike[str],
+    step: int,
+    model: Any,
+    optimizer_state: Mapping[str, Any],
+    scheduler_state: Mapping[str, Any] | None,
+    *,
+    loss: float | None,
+    run_config: RunConfig | None,
+    tokenizer_dir: str | os.PathLike[str] | None = None,
+    now: float | None = None,
+) -> Path:
+    """Write ``<folder_root>/step_{step:06d}/`` atomically and return its path.
+
+    The folder is built under ``<folder_root>/.incomplete/`` and renamed into place, replacing an
+    older save of the same step. Blocking (seconds for a large model): from asyncio, run it in an
+    executor. The optimizer must not step while this runs (pass a copy if it might).
+
+    Args:
+        folder_root: the checkpoint folder (``checkpoint.folder`` of the run config).
+        step: the global optimizer step of this state (>= 0).
+        model: a ``transformers`` model; saved with ``save_pretrained`` (safetensors).
+        optimizer_state: ``optimizer.state_dict()``: nested dicts/lists of tensors and scalars.
+        scheduler_state: ``scheduler.state_dict()``, or None without a scheduler.
+        loss: the swarm's mean training loss at ``step``; None (or NaN) if unknown.
+        run_config: the run's config, whose ``config_hash()`` is recorded; None to skip.
+        tokenizer_dir: a ``tokenizer.save_pretrained`` folder whose files are copied in.
+        now: ``time.time()`` of the save, recorded in the JSON files (default: read the clock).
+
+    Returns:
+        The final checkpoint folder.
+
+    Raises:
+        KitUsageError: the state holds values that are not tensors or plain data.
+        OSError: the disk is full or the folder is not writable.
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise KitUsageError(f"step must be an int >= 0, got {step!r} help: pass the global step")
+    root = Path(folder_root).expanduser()
+    staging = root / STAGING_FOLDER
+    staging.mkdir(parents=True, exist_ok=True)
+    final = root / CHECKPOINT_FOLDER_FORMAT.format(step=step)
+    building = Path(tempfile.mkdtemp(prefix=final.name + ".", dir=staging))
+    saved_at = time.time() if now is None else now
+    config_hash = run_config.config_hash() if run_config is not None else None
+    try:
+        model.save_pretrained(building)
+        _write_training_state(
+            building, step, optimizer_state, scheduler_state, loss, saved_at, config_hash
+        )
+        if tokenizer_dir is not None:
+            _copy_tokenizer(Path(tokenizer_dir), building)
+        # Written last: a folder with this file is complete (evaluation lists folders by it).
+        write_checkpoint_info(
+            building, step=step, loss=loss, time=saved_at, config_hash=config_hash
+        )
+        _fsync_tree(building)
+        _publish(building, final, staging)
+    except BaseException:
+        _remove_tree(building)
+        raise
+    logger.info("saved checkpoint of step %d to %s", step, final)
+    return final
+
+
+def load_training_state(folder: str | os.PathLike[str]) -> SavedTrainingState:
+    """Read and validate the optimizer/scheduler state of one checkpoint folder.
+
+    Only safetensors and JSON are read (never pickle): a checkpoint fetched from the Hub cannot
+    run code. Tensors come back on the CPU; ``optimizer.load_state_dict`` moves them.
+
+    Args:
+        folder: a folder written by :func:`save_checkpoint`.
+
+    Returns:
+        ``(step, optimizer_state, scheduler_state, info)``.
+
+    Raises:
+        MalformedTrainingState: a file is missing or unreadable, or the structure, the tensor
+            names or the dtypes are not what :func:`save_checkpoint` writes.
+    """
+    path = Path(folder)
+    meta_path, tensors_path = path / TRAINING_STATE_JSON, path / TRAINING_STATE_TENSORS
+    hint = "help: restore another checkpoint (delete this folder), or save this one again"
+    try:
+        if meta_path.stat().st_size > _MAX_JSON_BYTES:
+            raise MalformedTrainingState(
+                f"{meta_path} is larger than {_MAX_JSON_BYTES} bytes - {hint}"
+            )
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        tensors = load_safetensors(tensors_path.read_bytes())
+    except FileNotFoundError as exc:
+        raise MalformedTrainingState(
+            f"{path} is not a complete checkpoint: {Path(exc.filename or '').name or exc} is "
+            f"missing - {hint}"
+        ) from None
+    except (OSError, ValueError, RecursionError, SafetensorError) as exc:
+        raise MalformedTrainingState(
+            f"cannot read the training state in {path} ({type(exc).__name__}: {exc}) - {hint}"
+        ) from exc
+    if not isinstance(meta, dict) or meta.get("version") != TRAINING_STATE_VERSION:
+        raise MalformedTrainingState(
+            f"{meta_path} is not a version-{TRAINING_STATE_VERSION} kit training state - {hint}"
+        )
+    step = meta.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise MalformedTrainingState(f"{meta_path}: 'step' must be an int >= 0 - {hint}")
+    for name, tensor in tensors.items():
+        if tensor.dtype not in _ALLOWED_DTYPES:
+            raise MalformedTrainingState(
+                f"{tensors_path}: {name} has dtype {tensor.dtype} - {hint}"
+            )
+    used: set[str] = set()
+    try:
+        optimizer_state = _decode(meta.get("optimizer"), tensors, used)
+        scheduler_state = _decode(meta.get("scheduler"), tensors, used)
+    except RecursionError:
+        raise MalformedTrainingState(f"{meta_path} is nested too deeply - {hint}") from None
+    except MalformedTrainingState as exc:
+        raise MalformedTrainingState(f"{meta_path}: {exc} - {hint}") from None
+    if not isinstance(optimizer_state, dict) or not (
+        scheduler_state is None or isinstance(scheduler_state, dict)
+    ):
+        raise MalformedTrainingState(
+            f"{meta_path}: 'optimizer' must be a mapping and 'scheduler' a mapping or null - {hint}"
+        )
+    if used != set(tensors):
+        extra = ", ".join(sorted(set(tensors) - used)[:5])
+        raise MalformedTrainingState(f"{tensors_path} holds tensors nothing uses: {extra} - {hint}")
+    info = {key: value for key, value in meta.items() if key not in ("optimizer", "scheduler")}
+    return SavedTrainingState(step, optimizer_state, scheduler_state, info)
+
+
+def _write_training_state(
+    folder: Path,
+    step: int,
+    optimizer_state: Mapping[str, Any],
+    scheduler_state: Mapping[str, Any] | None,
+    loss: float | None,
+    saved_at: float,
+    config_hash: str | None,
+) -> None:
+    tensors: dict[str, torch.Tensor] = {}
+    seen: dict[int, str] = {}  # id(tensor) -> name: one tensor referenced twice is stored once
+    meta = {
+        "version": TRAINING_STATE_VERSION,
+        "step": step,
+        "loss": loss if loss is not None and math.isfinite(loss) else None,
+        "time": saved_at,
+        "config_hash": config_hash,
+        "optimizer": _encode(dict(optimizer_state), ("optimizer",), tensors, seen),
+        "scheduler": None
+        if scheduler_state is None
+        else _encode(dict(scheduler_state), ("scheduler",), tensors, seen),
+    }
+    save_safetensors(tensors, folder / TRAINING_STATE_TENSORS, metadata={"format": "pt"})
+    text = json.dumps(meta, indent=1, allow_nan=False)
+    (folder / TRAINING_STATE_JSON).write_text(text + "\n", encoding="utf-8")
+
+
+def _encode(
+    value: Any, path: tuple[str, ...], tensors: dict[str, torch.Tensor], seen: dict[int, str]
+) -> Any:
+    """Plain JSON for ``value``; tensors go to ``tensors`` under their path, e.g.
+    ``optimizer/state/0/exp_avg``, so names are stable across saves of the same optimizer."""
+    if isinstance(value, torch.Tensor):
+        if id(value) not in seen:
+            name = "/".join(path)
+            while name in tensors:  # keys that differ only by type ({0: .., "0": ..})
+                name += "_"
+            # clone: safetensors refuses tensors that share storage, and the optimizer keeps going
+            tensors[name] = value.detach().to("cpu", copy=True).contiguous()
+            seen[id(value)] = name
+        return {"__tensor__": seen[id(value)]}
+    if isinstance(value, float) and not math.isfinite(value):
+        return {"__float__": repr(value)}  # "inf", "-inf", "nan": JSON has none of them
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        items = [_encode(item, (*path, str(i)), tensors, seen) for i, item in enumerate(value)]
+        return {"__tuple__": items} if isinstance(value, tuple) else items
+    if isinstance(value, Mapping):
+        if all(isinstance(key, str) and key not in _TAGS for key in value):
+            return {key: _encode(item, (*path, key), tensors, seen) for key, item in value.items()}
+        pairs = []  # optimizer state is keyed by int parameter index: keep the key's type
+        for key, item in value.items():
+            if key is not None and not isinstance(key, (bool, int, float, str)):
+                raise KitUsageError(
+                    f"cannot save the key {key!r} at {'/'.join(path)}: only str/int keys - help: "
+                    "pass optimizer.state_dict() / scheduler.state_dict() as they are"
+                )
+            pairs.append([key, _encode(item, (*path, str(key)), tensors, seen)])
+        return {"__dict__": pairs}
+    raise KitUsageError(
+        f"cannot save a {type(value).__name__} at {'/'.join(path)} in a checkpoint: only tensors, "
+        "numbers, strings, lists and dicts - help: pass optimizer.state_dict() and "
+        "scheduler.state_dict(), and make the LR lambda a plain function (not a callable object)"
+    )
+
+
+def _decode(value: Any, tensors: Mapping[str, torch.Tensor], used: set[str]) -> Any:
+    if isinstance(value, list):
+        return [_decode(item, tensors, used) for item in value]
+    if not isinstance(value, dict):
+        return value
+    if len(value) == 1 and next(iter(value)) in _TAGS:
+        tag, inner = next(iter(value.items()))
+        if tag == "__tensor__":
+            if not isinstance(inner, str) or inner not in tensors:
+                raise MalformedTrainingState(f"it refers to a missing tensor {inner!r}")
+            used.add(inner)
+            return tensors[inner]
+        if tag == "__float__":
+            if inner not in ("inf", "-inf", "nan"):
+                raise MalformedTrainingState(f"bad special float {inner!r}")
+            return float(inner)
+        if tag == "__tuple__" and isinstance(inner, list):
+            return tuple(_decode(item, tensors, used) for item in inner)
+        if tag == "__dict__" and isinstance(inner, list):
+            decoded = {}
+            for pair in inner:
+                if not (
+                    isinstance(pair, list) and len(pair) == 2 and not isinstance(pair[0], list)
+                ):
+                    raise MalformedTrainingState("a __dict__ entry is not a [key, value] pair")
+                if isinstance(pair[0], dict):
+                    raise MalformedTrainingState("a __dict__ key is an object")
+                decoded[pair[0]] = _decode(pair[1], tensors, used)
+            return decoded
+        raise MalformedTrainingState(f"malformed {tag} entry")
+    return {key: _decode(item, tensors, used) for key, item in value.items()}
+
+
+def _copy_tokenizer(source: Path, folder: Path) -> None:
+    if not source.is_dir():
+        raise CheckpointError(
+            f"tokenizer folder {source} does not exist - help: pass the folder written by "
+            "tokenizer.save_pretrained(...), or tokenizer_dir=None"
+        )
+    for file in sorted(source.iterdir()):
+        if file.is_file() and not (folder / file.name).exists():  # never replace model files
+            shutil.copy2(file, folder / file.name)
+
+
+def _fsync_tree(folder: Path) -> None:
+    """Flush the files to disk before the rename makes them visible (a power cut otherwise can
+    leave a renamed folder of empty files on ext4 with delayed allocation)."""
+    for file in folder.rglob("*"):
+        if file.is_file():
+            with open(file, "rb") as handle:
+                os.fsync(handle.fileno())
+
+
+def _publish(building: Path, final: Path, staging: Path) -> None:
+    """Rename ``building`` to ``final``; an older folder there is moved aside, then deleted."""
+    old = None
+    if final.exists():
+        old = Path(tempfile.mkdtemp(prefix="replaced.", dir=staging)) / final.name
+        os.replace(final, old)
+    os.replace(building, final)
+    if hasattr(os, "O_DIRECTORY"):  # make the rename durable (POSIX; Windows has no dir fsync)
+        descriptor = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+    if old is not None:
+        _remove_tree(old.parent)
+
+
+def _remove_tree(folder: Path) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """``(step, folder)`` of every complete checkpoint under ``root``, oldest first."""
+    if not root.is_dir():
+        return []
+    found = []
+    for folder in root.iterdir():
+        if not _FOLDER_NAME.match(folder.name) or not (folder / TRAINING_STATE_JSON).is_file():
+            continue
+        try:
+            step = read_checkpoint_info(folder)["step"]
+        except CheckpointError as exc:
+            logger.warning("ignoring checkpoint folder %s: %s", folder, exc)
+            continue
+        found.append((step, folder))
+    return sorted(found)
+
+
+def commit_title(step: int, loss: float | None) -> str:
+    """The Hub commit title of a checkpoint, e.g. ``"step 120, loss 3.2100"``.
+
+    ``kit.evaluation.checkpoints.parse_commit_title`` reads it back; an unknown loss is written
+    as ``"loss unknown"``, which it reads as None (like the null in ``kit_checkpoint.json``).
+    """
+    if loss is None or not math.isfinite(loss):
+        return f"step {step}, loss unknown"
+    return f"step {step}, loss {loss:.4f}"
+
+
+# --- the coordinator's manager ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RestoredCheckpoint:
+    """The state to resume from: load the model from :attr:`folder`, then the two states."""
+
+    step: int  # global optimizer step of the checkpoint
+    folder: Path  # local checkpoint folder: Model.from_pretrained(folder)
+    optimizer_state: dict[str, Any]  # optimizer.load_state_dict(...)
+    scheduler_state: dict[str, Any] | None  # scheduler.load_state_dict(...) (None: none saved)
+    info: dict[str, Any] = field(default_factory=dict)  # loss, time, config_hash of the save
+    source: str = "local"  # "local" or "hub" (downloaded into the folder)
+
+
+class CheckpointManager:
+    """Decides when the coordinator saves, prunes and pushes, and what it restores on restart.
+
+    Every method is blocking and thread-safe. From the coordinator's asyncio loop, run
+    :meth:`maybe_save`, :meth:`maybe_push` and :meth:`restore` in an executor
+    (``loop.run_in_executor(None, manager.maybe_push, time.time())``): a push uploads the whole
+    model. Pushes never raise: a failure is logged with what to do and retried later.
+
+    Example::
+
+        manager = CheckpointManager(config.checkpoint, hub_token=token, run_config=config)
+        restored = manager.restore()
+        ...
+        manager.maybe_save(step, model, opt.state_dict(), sched.state_dict(), loss, time.time())
+        manager.maybe_push(time.time())
+
+    Args:
+        config: the run's ``checkpoint:`` section (folder, hub_repo, every_epochs,
+            push_every_minutes, keep_last).
+        hub_token: a Hub token with write access to ``config.hub_repo`` (None: the logged-in
+            user's token, ``HF_TOKEN``).
+        endpoint: the Hub URL (None: ``HF_ENDPOINT``, else huggingface.co).
+        run_config: recorded with each save (config hash) and compared on restore.
+        tokenizer_dir: a tokenizer folder copied into every save, so that each checkpoint loads
+            on its own (``kit.evaluate`` needs it).
+    """
+
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        *,
+        hub_token: str | None = None,
+        endpoint: str | None = None,
+        run_config: RunConfig | None = None,
+        tokenizer_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.config = config
+        self.root = Path(config.folder).expanduser()
+        self._token, self._endpoint = hub_token, endpoint
+        self._run_config = run_config
+        self._tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir is not None else None
+        self._lock = threading.Lock()  # guards the fields below (save and push run on threads)
+        self._pushing: Path | None = None  # never pruned while it uploads
+        self._pushed_step: int | None = None
+        self._next_push_at: float | None = None  # None: push as soon as there is something new
+        self._repo_created = False
+        newest = self.latest_step()
+        self._saved_step = newest if newest is not None else 0
+        # Folders left by a crash mid-save: no process is writing into them any more.
+        _remove_tree(self.root / STAGING_FOLDER)
+
+    # --- local -------------------------------------------------------------------------------
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint folder, or None if there is none."""
+        found = _complete_checkpoints(self.root)
+        return found[-1][1] if found else None
+
+    def latest_step(self) -> int | None:
+        """The step of :meth:`latest`, or None."""
+        found = _complete_checkpoints(self.root)
+        return found[-1][0] if found else None
+
+    def is_due(self, step: int) -> bool:
+        """True when ``step`` crossed a multiple of ``every_epochs`` since the last save.
+
+        Crossing (not equality) because the coordinator may observe steps 49 then 51: the save
+        then happens at 51, and the next one at the first step >= 100 (DeDLOC's coordinator
+        saved on ``step % interval == 0`` and silently skipped such checkpoints).
+        """
+        every = self.config.every_epochs
+        with self._lock:
+            return step // every > self._saved_step // every
+
+    def maybe_save(
+        self,
+        step: int,
+        model: Any,
+        optimizer_state: Mapping[str, Any],
+        scheduler_state: Mapping[str, Any] | None,
+        loss: float | None,
+        now: float,
+    ) -> Path | None:
+        """Save (then prune) if :meth:`is_due`; returns the new folder, or None.
+
+        A full or read-only disk is logged as an error and retried at the next call (the
+        coordinator keeps running; the last good checkpoint stays).
+
+        Raises:
+            KitUsageError: the state holds values that cannot be saved (a bug in the caller).
+        """
+        if not self.is_due(step):
+            return None
+        try:
+            folder = save_checkpoint(
+                self.root,
+                step,
+                model,
+                optimizer_state,
+                scheduler_state,
+                loss=loss,
+                run_config=self._run_config,
+                tokenizer_dir=self._tokenizer_dir,
+                now=now,
+            )
+        except (OSError, CheckpointError) as exc:
+            logger.error(
+                "could not save the checkpoint of step %d in %s (%s: %s) - help: free disk "
+                "space or fix the permissions of checkpoint.folder; kit retries at the next step",
+                step,
+                self.root,
+                type(exc).__name__,
+                exc,
+            )
+            return None
+        with self._lock:
+            self._saved_step = max(self._saved_step, step)
+        self.prune()
+        return folder
+
+    def prune(self) -> list[Path]:
+        """Delete all but the ``keep_last`` newest checkpoints; returns the deleted folders.
+
+        The folder being pushed is never deleted. Each folder is first renamed into the staging
+        folder, so a crash mid-delete never leaves a half checkpoint behind.
+        """
+        found = _complete_checkpoints(self.root)
+        with self._lock:
+            doomed = [
+                folder
+                for _, folder in found[: max(0, len(found) - self.config.keep_last)]
+                if folder != self._pushing
+            ]
+        staging = self.root / STAGING_FOLDER
+        for folder in doomed:
+            staging.mkdir(parents=True, exist_ok=True)
+            trash = Path(tempfile.mkdtemp(prefix="pruned.", dir=staging))
+            os.replace(folder, trash / folder.name)
+            _remove_tree(trash)
+            logger.info("deleted old checkpoint %s (keep_last=%d)", folder, self.config.keep_last)
+        return doomed
+
+    # --- the Hub -----------------------------------------------------------------------------
+
+    def maybe_push(self, now: float) -> int | None:
+        """Push the newest checkpoint if it is new and ``push_every_minutes`` have passed.
+
+        Blocking (uploads the model): run it in an executor. Never raises for Hub failures:
+        they are logged with a hint and retried after ``min(PUSH_RETRY_SECONDS, interval)``.
+
+        Args:
+            now: ``time.time()``; the interval counts from the previous attempt.
+
+        Returns:
+            The step pushed, or None (nothing new, not yet time, no hub_repo, or failure).
+        """
+        if self.config.hub_repo is None:
+            return None
+        found = _complete_checkpoints(self.root)
+        interval = self.config.push_every_minutes * 60.0
+        with self._lock:
+            if self._pushing is not None or not found or found[-1][0] == self._pushed_step:
+                return None
+            if self._next_push_at is not None and now < self._next_push_at:
+                return None
+            step, folder = found[-1]
+            self._pushing = folder
+        try:
+            self._push(step, folder)
+        # Any failure of the Hub (HTTP, network, a full disk) must not stop the coordinator.
+        except Exception as exc:
+            retry = min(PUSH_RETRY_SECONDS, interval)
+            logger.warning(
+                "could not push step %d to the Hub repo %s: %s - help: %s (retrying in %.0f s)",
+                step,
+                self.config.hub_repo,
+                _short(exc),
+                _push_hint(exc),
+                retry,
+            )
+            logger.debug("push failure details", exc_info=True)
+            with self._lock:
+                self._next_push_at = now + retry
+            return None
+        finally:
+            with self._lock:
+                self._pushing = None
+        with self._lock:
+            self._pushed_step = step
+            self._next_push_at = now + interval
+        return step
+
+    def _push(self, step: int, folder: Path) -> None:
+        from huggingface_hub import CommitOperationAdd, HfApi
+
+        repo = self.config.hub_repo
+        assert repo is not None  # checked by maybe_push
+        api = HfApi(endpoint=self._endpoint, token=self._token)
+        if not self._repo_created:
+            api.create_repo(repo, repo_type="model", exist_ok=True)
+            self._repo_created = True
+        info = read_checkpoint_info(folder)
+        files = sorted(
+            path
+            for path in folder.rglob("*")
+            if path.is_file() and not path.relative_to(folder).as_posix().startswith(".")
+        )
+        operations = [
+            CommitOperationAdd(path.relative_to(folder).as_posix(), str(path)) for path in files
+        ]
+        started = time.monotonic()
+        total = sum(path.stat().st_size for path in files)
+        # One file at a time, so the bar moves as the large weights upload (LFS/Xet on the Hub).
+        with tqdm(total=total, unit="B", unit_scale=True, desc=f"pushing step {step}") as bar:
+            for operation, path in zip(operations, files, strict=True):
+                api.preupload_lfs_files(repo, additions=[operation], repo_type="model")
+                bar.update(path.stat().st_size)
+        commit = api.create_commit(
+            repo,
+            operations=operations,
+            commit_message=commit_title(step, info.get("loss")),
+            commit_description=f"run config hash: {info.get('config_hash') or 'not recorded'}",
+            repo_type="model",
+        )
+        logger.info(
+            "pushed step %d to %s in %.1f s (%s)",
+            step,
+            repo,
+            time.monotonic() - started,
+            getattr(commit, "commit_url", ""),
+        )
+
+    # --- restart -------------------------------------------------------------------------------
+
+    def restore(self) -> RestoredCheckpoint | None:
+        """The state to resume from after a restart: the newest local checkpoint, else the Hub's.
+
+        With no local checkpoint and a ``hub_repo``, the repo's head is downloaded into the
+        checkpoint folder (as ``step_XXXXXX``). A missing or empty repo means a fresh run (None).
+
+        Returns:
+            The restored checkpoint, or None when there is nothing to resume from.
+
+        Raises:
+            MalformedTrainingState: the newest checkpoint's training state is corrupt.
+            CheckpointRestoreFailed: the Hub could not be reached or refused the token (we do
+                not silently start from scratch over a run that has checkpoints).
+        """
+        folder, source = self.latest(), "local"
+        if folder is None and self.config.hub_repo is not None:
+            folder, source = self._download_latest(), "hub"
+        if folder is None:
+            return None
+        step, optimizer_state, scheduler_state, info = load_training_state(folder)
+        if self._run_config is not None and info.get("config_hash") not in (
+            None,
+            self._run_config.config_hash(),
+        ):
+            logger.warning(
+                "checkpoint %s was saved with another run config (hash %s) - help: if the model "
+                "or optimizer changed on purpose, ignore this; otherwise start from the run.yaml "
+                "it was trained with",
+                folder,
+                info.get("config_hash"),
+            )
+        with self._lock:
+            self._saved_step = max(self._saved_step, step)
+            if source == "hub":
+                self._pushed_step = step
+        logger.info("restored step %d from %s (%s)", step, folder, source)
+        return RestoredCheckpoint(
+            step, folder, optimizer_state, scheduler_state, info, source=source
+        )
+
+    def _download_latest(self) -> Path | None:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import RepositoryNotFoundError
+
+        repo = self.config.hub_repo
+        assert repo is not None  # checked by restore
+        staging = self.root / STAGING_FOLDER
+        staging.mkdir(parents=True, exist_ok=True)
+        building = Path(tempfile.mkdtemp(prefix="download.", dir=staging))
+        try:
+            try:
+                snapshot_download(
+                    repo,
+                    repo_type="model",
+                    local_dir=building,
+                    token=self._token,
+                    endpoint=self._endpoint,
+                )
+            except RepositoryNotFoundError:
+                logger.warning(
+                    "Hub repo %s does not exist (or this token may not see it): starting a fresh "
+                    "run - help: if the run has checkpoints there, pass a token that can read it",
+                    repo,
+                )
+                return None
+            except Exception as exc:
+                raise CheckpointRestoreFailed(
+                    f"could not download the newest checkpoint from {repo}: {_short(exc)} - "
+                    f"help: {_push_hint(exc)}; or set checkpoint.hub_repo to null to start "
+                    "from scratch"
+                ) from exc
+            _remove_tree(building / ".cache")
+            (building / ".gitattributes").unlink(missing_ok=True)
+            if not (building / CHECKPOINT_INFO_FILE).exists():
+                logger.info("Hub repo %s holds no checkpoint yet: starting a fresh run", repo)
+                return None
+            step = read_checkpoint_info(building)["step"]
+            final = self.root / CHECKPOINT_FOLDER_FORMAT.format(step=step)
+            _fsync_tree(building)
+            _publish(building, final, staging)
+            return final
+        finally:
+            _remove_tree(building)
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def _push_hint(exc: BaseException) -> str:
+    """What the organizer should do about a failed Hub call, from its HTTP status."""
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    if status == 401:
+        return "the Hub does not know this token; pass a valid one (hf.co/settings/tokens)"
+    if status == 403:
+        return (
+            "this token may not write to checkpoint.hub_repo; use a token with the 'write' role "
+            "that belongs to the repo's owner or to a member of its organization"
+        )
+    if status == 429:
+        return "the Hub rate-limits you; raise checkpoint.push_every_minutes"
+    return "check the network and HF_ENDPOINT; the Hub may be down"

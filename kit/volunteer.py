@@ -1,0 +1,575 @@
+"""The volunteer's side (``notebooks/join.ipynb``, ``kit join ADDRESS``): join a run and train.
+
+``kit.join(address)`` fetches the run from the coordinator (config, bootstrap peers, authority
+key), logs in with a Hugging Face token when the run is allowlisted (widget in notebooks), picks
+device, precision and micro-batch for this machine (``kit.hardware``), starts a DHT peer
+(client mode by itself when the machine is unreachable), builds the model, data pipeline and
+``kit.Optimizer`` from the run config, and trains in one background thread while the notebook
+stays responsive and a panel (``kit.ui``) shows the loss, the peers and this volunteer's
+contribution. :class:`Volunteer` is that session; ``stop()`` leaves gracefully.
+
+It holds the wiring only: the loop is ``kit.training.trainer``, the widgets are ``kit.ui``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from kit.config import RunConfig
+from kit.errors import ConfigError, KitError, TransientError
+from kit.training.status import TrainingState, TrainingStatus
+
+logger = logging.getLogger(__name__)
+
+#: Answers larger than this from a coordinator are refused (run info, tokenizer, leaderboard).
+MAX_ANSWER_BYTES = 64 * 1024 * 1024
+
+
+class CoordinatorUnreachable(TransientError):
+    """The coordinator's address did not answer (or answered nonsense)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunInfo:
+    """What the coordinator tells a joining volunteer (``GET /api/run``)."""
+
+    url: str  # http(s)://host:port of the coordinator
+    config: RunConfig
+    config_hash: str
+    initial_peers: tuple[str, ...]
+    authority_public_key: bytes | None
+    tokenizer_url: str | None  # absolute URL of tokenizer.json, when the coordinator serves it
+
+
+def coordinator_url(address: str) -> str:
+    """``http(s)://host:port`` from a URL or a kit address (``/ip4/.../tcp/N/ws[s]/p2p/ID``)."""
+    text = address.strip().rstrip("/")
+    if text.startswith(("http://", "https://")):
+        return text
+    if text.startswith(("ws://", "wss://")):
+        return "http" + text[2:]
+    from kit.p2p.address import AddressError, parse_address
+
+    try:
+        parsed = parse_address(text)
+    except (AddressError, ValueError) as error:
+        raise ConfigError(
+            f"{address!r} is not a coordinator address ({error}) - help: paste the link the "
+            "organizer gave you, e.g. https://run.example.org"
+        ) from None
+    host = f"[{parsed.host}]" if ":" in parsed.host else parsed.host
+    return f"{'https' if parsed.secure else 'http'}://{host}:{parsed.port}"
+
+
+def http_get(url: str, *, timeout: float = 15.0, limit: int = MAX_ANSWER_BYTES) -> bytes:
+    """GET ``url`` (no proxy for loopback); raises CoordinatorUnreachable with what to do."""
+    handlers: list[urllib.request.BaseHandler] = []
+    host = urllib.parse.urlsplit(url).hostname or ""
+    if host in ("localhost", "::1") or host.startswith("127."):
+        handlers.append(urllib.request.ProxyHandler({}))
+    opener = urllib.request.build_opener(*handlers)
+    try:
+        with opener.open(url, timeout=timeout) as answer:
+            body: bytes = answer.read(limit + 1)
+    except urllib.error.HTTPError as error:
+        raise CoordinatorUnreachable(
+            f"{url} answered HTTP {error.code} - help: check the address with the organizer"
+        ) from None
+    except (OSError, ValueError) as error:
+        raise CoordinatorUnreachable(
+            f"cannot reach {url}: {getattr(error, 'reason', error)} - help: check the address "
+            "and your connection; the coordinator may be restarting, try again in a minute"
+        ) from None
+    if len(body) > limit:
+        raise CoordinatorUnreachable(
+            f"{url} sent more than {limit} bytes - help: check the address"
+        )
+    return body
+
+
+def fetch_run_info(address: str, *, timeout: float = 15.0) -> RunInfo:
+    """Ask the coordinator for the run; validate the config and its hash."""
+    from kit.coordinator import RUN_INFO_PATH
+
+    url = coordinator_url(address)
+    body = http_get(url + RUN_INFO_PATH, timeout=timeout)
+    try:
+        answer = json.loads(body)
+        config = RunConfig.from_dict(answer["config"])
+        peers = tuple(str(peer) for peer in answer["initial_peers"])
+        key = answer.get("authority_public_key")
+        tokenizer = answer.get("tokenizer_url")
+    except (ValueError, KeyError, TypeError) as error:
+        raise CoordinatorUnreachable(
+            f"{url} did not answer with a kit run ({type(error).__name__}: {error}) - help: "
+            "check that the address is a kit coordinator and that your kit is up to date"
+        ) from None
+    if config.config_hash() != answer.get("config_hash"):
+        raise ConfigError(
+            "the coordinator's config hash differs from the one this kit computes - help: "
+            "install the kit version the organizer uses (pip install -U kit)"
+        )
+    from kit.p2p.identity import b58decode
+
+    return RunInfo(
+        url=url,
+        config=config,
+        config_hash=str(answer["config_hash"]),
+        initial_peers=peers,
+        authority_public_key=b58decode(key) if key else None,
+        tokenizer_url=url + tokenizer if tokenizer else None,
+    )
+
+
+def load_run_tokenizer(info: RunInfo, cache_dir: Path) -> Any:
+    """The run's tokenizer: from the Hub repo in the config, else from the coordinator."""
+    from kit.data.tokenizer import load_tokenizer
+
+    if info.config.tokenizer.hub_repo:
+        return load_tokenizer(info.config.tokenizer.hub_repo)
+    if info.tokenizer_url is None:
+        local = Path(info.config.tokenizer.output_dir)
+        return load_tokenizer(local)
+    target = cache_dir / f"tokenizer-{info.config_hash[:16]}.json"
+    if not target.is_file():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        partial = target.with_suffix(".part")
+        partial.write_bytes(http_get(info.tokenizer_url))
+        os.replace(partial, target)
+    return load_tokenizer(target)
+
+
+class Volunteer:
+    """One volunteer's session in a run: login, peer, model, data, training thread.
+
+    Args:
+        address: the coordinator's link (``https://host:port``) or kit address.
+        hf_token: a Hugging Face access token (allowlisted runs); None = ask / find a cached one.
+        username: the name shown on the leaderboard in open runs (allowlisted runs use the
+            Hugging Face account).
+        work_dir: where the identity key, the tokenizer cache and relative data paths live.
+        hardware: a ``kit.hardware.Hardware`` (tests); default: detect this machine.
+        client_mode: None = detect reachability; True when this machine cannot accept connections.
+        host: where this peer listens (default every interface; "127.0.0.1" for local runs).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        hf_token: str | None = None,
+        username: str | None = None,
+        work_dir: str | os.PathLike[str] = ".",
+        hardware: Any = None,
+        client_mode: bool | None = None,
+        host: str = "0.0.0.0",
+    ) -> None:
+        self.host = host
+        self.info = fetch_run_info(address)
+        self.config = self.info.config
+        self.work_dir = Path(work_dir)
+        self.hf_token = hf_token
+        self.username = username
+        self.hardware = hardware
+        self.client_mode = client_mode
+        self.authorizer: Any = None
+        self.dht: Any = None
+        self.trainer: Any = None
+        self.reporter: Any = None
+        self._identity: Any = None
+        self._identity_lock: Any = None
+
+    @property
+    def needs_login(self) -> bool:
+        return self.info.authority_public_key is not None and self.authorizer is None
+
+    def identity(self) -> Any:
+        if self._identity is None:
+            from kit.p2p.identity import IdentityInUse, load_identity
+
+            run = self.config.collaboration.run_id
+            for index in range(16):  # a second notebook on the same machine gets another key
+                path = self.work_dir / ".kit" / f"identity-{run}-{index}.key"
+                try:
+                    self._identity, self._identity_lock = load_identity(path)
+                    break
+                except IdentityInUse:
+                    continue
+            else:
+                raise KitError("16 kit peers already run here - help: stop one of them first")
+        return self._identity
+
+    def login(self, hf_token: str) -> str:
+        """Get an access token from the coordinator with ``hf_token``; returns the username.
+
+        Raises:
+            InvalidHubToken, NotAllowlisted, Revoked, TokenServiceUnavailable: with what to do.
+        """
+        from kit.auth import authorizer_from_coordinator
+        from kit.runtime import get_runtime
+
+        if self.info.authority_public_key is None:
+            self.username = self.username or "anonymous"
+            return self.username
+        authorizer = get_runtime().call(
+            authorizer_from_coordinator(
+                self.info.url,
+                hf_token.strip(),
+                self.identity(),
+                authority_public_key=self.info.authority_public_key,
+                allow_insecure_http=True,
+            ),
+            timeout=60.0,
+        )
+        self.authorizer = authorizer
+        token = authorizer.token
+        self.username = token.username if token is not None else None
+        self.hf_token = hf_token
+        return str(self.username)
+
+    def start(self, *, max_steps: int | None = None, max_seconds: float | None = None) -> None:
+        """Join the run and train in a background thread (returns once the peer is up)."""
+        from kit.dht import DHT
+        from kit.hardware import detect
+        from kit.training.trainer import Trainer
+
+        if self.needs_login:
+            if self.hf_token is None:
+                raise KitError(
+                    "this run is allowlisted: log in first - help: pass hf_token=... or set HF_TOKEN"
+                )
+            self.login(self.hf_token)
+        identity = self.identity()
+        if self.username is None:
+            self.username = f"anonymous-{str(identity.peer_id)[:8]}"
+        peer_options: dict[str, Any] = dict(
+            identity=identity,
+            run_id=self.config.collaboration.run_id,
+            config_hash=self.info.config_hash,
+        )
+        if self.authorizer is not None:
+            peer_options["authorizer"] = self.authorizer
+        self.dht = DHT(
+            initial_peers=list(self.info.initial_peers),
+            client_mode=self.client_mode,
+            host=self.host,
+            peer_options=peer_options,
+        )
+        hw = self.hardware or detect(workdir=self.work_dir)
+        model, plan = self._plan(hw)
+        batches = self._batches(plan, identity)
+        from kit.training.components import build_collaborative_optimizer
+
+        optimizer = build_collaborative_optimizer(
+            model,
+            self.config,
+            self.dht,
+            batch_size_per_step=plan.batch_size_per_step or None,
+            auxiliary=plan.auxiliary,
+        )
+        gpus = getattr(hw, "gpus", None) or ()
+        label = gpus[0].name if gpus and plan.device.startswith("cuda") else plan.device
+        self.trainer = Trainer(
+            model,
+            optimizer,
+            batches,
+            plan,
+            clip_grad_norm=self.config.optimizer.clip_grad_norm,
+            username=self.username,
+            device_label=f"{label} ({plan.precision})",
+        )
+        self._start_reporter(identity)
+        for reason in plan.reasons:
+            logger.info("plan: %s", reason)
+        self.trainer.start(max_steps=max_steps, max_seconds=max_seconds)
+
+    def _plan(self, hw: Any) -> tuple[Any, Any]:
+        import torch
+
+        from kit.hardware import plan as make_plan
+        from kit.hardware.memory import make_torch_probe, needs_from_model
+        from kit.training.components import build_model
+
+        model = build_model(self.config)
+        needs = needs_from_model(
+            model,
+            sequence_length=self.config.data.max_seq_length,
+            batch_size_per_step=self.config.collaboration.batch_size_per_step,
+            optimizer=self.config.optimizer.name,
+        )
+        probe = None
+        if getattr(hw, "gpus", None) and torch.cuda.is_available():
+            probe = make_torch_probe(lambda: build_model(self.config), needs, "cuda")
+        plan = make_plan(needs, hw, probe=probe)
+        return model.to(plan.device), plan
+
+    def _batches(self, plan: Any, identity: Any) -> Any:
+        from kit.data.pipeline import PretrainingPipeline
+
+        if plan.auxiliary:
+            return iter(())
+        tokenizer = load_run_tokenizer(self.info, self.work_dir / ".kit")
+        pipeline = PretrainingPipeline.from_config(
+            self.config.data, tokenizer, peer_identity=identity.peer_id.to_bytes()
+        )
+        return pipeline.batches(max(1, plan.micro_batch))
+
+    def _start_reporter(self, identity: Any) -> None:
+        from kit.metrics import MetricsReporter
+
+        authorizer = self.authorizer
+        username = self.username or ""
+
+        def token() -> bytes | None:
+            current = authorizer.token if authorizer is not None else None
+            return current.to_bytes() if current is not None else None
+
+        async def start(_: Any, node: Any) -> Any:
+            reporter = MetricsReporter(
+                node,
+                self.config.collaboration.run_id,
+                identity,
+                username=username,
+                token=token,
+                device=self.trainer.status.device,
+            )
+            reporter.start()
+            return reporter
+
+        self.reporter = self.dht.run_coroutine(start)
+        trainer = self.trainer
+
+        def on_step(samples: int, loss: float, compute: float) -> None:
+            self.reporter.update(
+                epoch=trainer.optimizer.local_epoch,
+                loss=loss,
+                samples_total=trainer.samples_total,
+                compute_seconds=trainer.compute_seconds,
+                samples_per_second=trainer.optimizer.tracker.local.samples_per_second,
+            )
+
+        trainer.add_step_listener(on_step)
+
+    @property
+    def status(self) -> TrainingStatus:
+        if self.trainer is None:
+            state = TrainingState.LOGGING_IN if self.needs_login else TrainingState.STARTING
+            return TrainingStatus(state=state, username=self.username)
+        return self.trainer.status  # type: ignore[no-any-return]
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until training ends (limits reached or stopped); True when it has."""
+        return self.trainer is None or bool(self.trainer.wait(timeout))
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Leave the run: finish the current step, stop the peer (idempotent)."""
+        if self.trainer is not None:
+            self.trainer.update_status(state=TrainingState.STOPPING, message="leaving the run")
+            self.trainer.stop(timeout)
+            self.trainer.optimizer.shutdown()
+        if self.reporter is not None and self.dht is not None and self.dht.is_alive():
+            reporter = self.reporter
+
+            async def stop_reporter(_: Any, __: Any) -> None:
+                await reporter.shutdown()
+
+            self.dht.run_coroutine(stop_reporter)
+            self.reporter = None
+        if self.dht is not None:
+            self.dht.shutdown()
+            self.dht = None
+        if self.authorizer is not None:
+            from kit.runtime import get_runtime
+
+            get_runtime().call(self.authorizer.close(), timeout=10.0)
+        if self._identity_lock is not None:
+            self._identity_lock.release()
+            self._identity_lock = None
+        if self.trainer is not None and not self.trainer.status.state.finished:
+            self.trainer.update_status(state=TrainingState.STOPPED, message="left the run")
+
+
+# --- the one-call entry of the join notebook and the CLI ----------------------------------------
+
+
+def join(
+    address: str,
+    *,
+    hf_token: str | None = None,
+    username: str | None = None,
+    work_dir: str | os.PathLike[str] = ".",
+    max_steps: int | None = None,
+    max_seconds: float | None = None,
+    widgets: bool | None = None,
+    block: bool | None = None,
+    **options: Any,
+) -> Volunteer:
+    """Join the run at ``address`` and train: the whole volunteer flow in one call.
+
+    In a notebook it shows a login widget when the run is allowlisted and no cached Hugging Face
+    token is found (``HF_TOKEN``, the Kaggle or Colab secret, ``huggingface-cli login``), then a
+    live panel with a Stop button, and returns at once while training goes on in the
+    background. On a terminal it prints progress and blocks until Ctrl+C or the limits.
+
+    Args:
+        address: the link the organizer handed out.
+        hf_token: your Hugging Face access token (read role is enough).
+        username: your name on the leaderboard in open (not allowlisted) runs.
+        work_dir: where kit keeps this peer's key and caches.
+        max_steps, max_seconds: stop by itself after this many local steps / seconds.
+        widgets: show ipywidgets (default: when running in a notebook).
+        block: wait until training ends (default: not in notebooks, yes on a terminal).
+        **options: more :class:`Volunteer` arguments (``client_mode``, ``host``, ``hardware``).
+    """
+    from kit.ui import find_cached_hf_token
+
+    in_notebook = _in_notebook() if widgets is None else widgets
+    block = (not in_notebook) if block is None else block
+    volunteer = Volunteer(
+        address, hf_token=hf_token, username=username, work_dir=work_dir, **options
+    )
+    token = hf_token or (find_cached_hf_token() if volunteer.needs_login else None)
+    if in_notebook:
+        _join_with_widgets(volunteer, token, max_steps=max_steps, max_seconds=max_seconds)
+    else:
+        _join_on_console(volunteer, token, max_steps=max_steps, max_seconds=max_seconds)
+    if block:
+        try:
+            while not volunteer.wait(1.0):
+                pass
+        except KeyboardInterrupt:
+            logger.info("Ctrl+C: leaving the run")
+        finally:
+            volunteer.stop()
+    return volunteer
+
+
+def _in_notebook() -> bool:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return (
+        shell is not None
+        and type(shell).__name__ != "TerminalInteractiveShell"
+        and (hasattr(shell, "kernel"))
+    )
+
+
+def _join_on_console(volunteer: Volunteer, token: str | None, **limits: Any) -> None:
+    from kit.ui import ConsoleReporter
+
+    if volunteer.needs_login:
+        if token is None:
+            raise KitError(
+                "this run is allowlisted - help: pass --hf-token, or set HF_TOKEN to a Hugging "
+                "Face access token (huggingface.co/settings/tokens)"
+            )
+        logger.info("logged in as %s", volunteer.login(token))
+    reporter = ConsoleReporter()
+    volunteer.start(**limits)
+    volunteer.trainer.add_status_listener(reporter.update)
+
+
+def _join_with_widgets(volunteer: Volunteer, token: str | None, **limits: Any) -> None:
+    import threading
+
+    from IPython.display import display
+
+    from kit.ui import LoginWidget, TrainingPanel
+
+    def stop_in_background() -> None:
+        # Never block the kernel: the Stop button's handler runs on it.
+        threading.Thread(target=volunteer.stop, name="kit-stop", daemon=True).start()
+
+    panel = TrainingPanel(on_stop=stop_in_background)
+
+    def begin() -> None:
+        display(panel.widget)
+        panel.update(dataclasses.replace(volunteer.status, state=TrainingState.JOINING))
+        try:
+            volunteer.start(**limits)
+        except KitError as error:
+            panel.finish(TrainingStatus(state=TrainingState.FAILED, message=str(error)))
+            return
+
+        def show(status: TrainingStatus) -> None:
+            if status.state.finished:
+                panel.finish(status)
+            else:
+                panel.update(status)
+
+        volunteer.trainer.add_status_listener(show)
+
+    if not volunteer.needs_login:
+        begin()
+        return
+    if token is not None:
+        try:
+            volunteer.login(token)
+        except KitError as error:
+            logger.warning("the cached Hugging Face token did not work: %s", error)
+        else:
+            begin()
+            return
+
+    def on_success(username: str, _token: str) -> None:
+        begin()
+
+    login = LoginWidget(check=volunteer.login, on_success=on_success)
+    display(login.widget)
+
+
+def add_command(subparsers: Any) -> None:
+    """``kit join ADDRESS``: the join notebook's flow on a terminal (GPU servers)."""
+    parser = subparsers.add_parser("join", help="join a run and train (a volunteer)")
+    parser.add_argument("address", help="the coordinator link the organizer handed out")
+    parser.add_argument("--hf-token", default=None, help="Hugging Face token (default: $HF_TOKEN)")
+    parser.add_argument("--username", default=None, help="your name in open runs")
+    parser.add_argument("--work-dir", default=".", help="where kit keeps its key and caches")
+    parser.add_argument("--max-steps", type=int, default=None, help="stop after N local steps")
+    parser.add_argument("--max-seconds", type=float, default=None, help="stop after N seconds")
+    parser.add_argument("--host", default="0.0.0.0", help="listen here (127.0.0.1: local only)")
+    parser.add_argument(
+        "--client-mode", action="store_true", help="never listen (behind NAT); default: detect"
+    )
+    parser.set_defaults(handler=_join_command)
+
+
+def _join_command(args: Any) -> int:
+    try:
+        volunteer = join(
+            args.address,
+            hf_token=args.hf_token,
+            username=args.username,
+            work_dir=args.work_dir,
+            max_steps=args.max_steps,
+            max_seconds=args.max_seconds,
+            widgets=False,
+            block=True,
+            host=args.host,
+            client_mode=True if args.client_mode else None,
+        )
+    except KitError as error:
+        logger.error("%s", error)
+        return 1
+    status = volunteer.status
+    if status.state is TrainingState.FAILED:
+        logger.error("%s", status.message)
+        return 1
+    logger.info(
+        "done: %d samples, %d global steps, last loss %s",
+        status.samples_total,
+        status.local_epoch,
+        f"{status.last_loss:.4f}" if status.last_loss is not None else "n/a",
+    )
+    return 0

@@ -1,0 +1,152 @@
+"""The volunteer's training loop on one real peer: steps, losses, status, stop, mixed precision."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import kit
+from kit.config import RunConfig
+from kit.hardware.plan import TrainingPlan
+from kit.training.components import build_collaborative_optimizer, build_model
+from kit.training.status import TrainingState, TrainingStatus
+from kit.training.trainer import Trainer
+
+pytestmark = pytest.mark.sockets
+
+
+def tiny_config() -> RunConfig:
+    import dataclasses
+
+    config = RunConfig.tiny_demo(data_files=["unused/*.txt"])
+    model = dataclasses.replace(
+        config.model, vocab_size=64, embedding_size=16, hidden_size=32, intermediate_size=64
+    )
+    collaboration = dataclasses.replace(
+        config.collaboration, target_batch_size=8, batch_size_per_step=4, matchmaking_time=0.5,
+        averaging_timeout=5.0,
+    )  # fmt: skip
+    tokenizer = dataclasses.replace(config.tokenizer, vocab_size=64)
+    return dataclasses.replace(
+        config, model=model, tokenizer=tokenizer, collaboration=collaboration
+    )
+
+
+def random_batches(batch: int, seq: int = 16, vocab: int = 64):
+    generator = torch.Generator().manual_seed(0)
+    # A learnable pattern: every sequence repeats one token, masked at a few positions.
+    while True:
+        token = torch.randint(5, vocab, (batch, 1), generator=generator)
+        input_ids = token.repeat(1, seq)
+        labels = torch.full_like(input_ids, -100)
+        labels[:, 3] = input_ids[:, 3]
+        input_ids[:, 3] = 4
+        yield {
+            "input_ids": input_ids,
+            "attention_mask": torch.ones_like(input_ids),
+            "token_type_ids": torch.zeros_like(input_ids),
+            "labels": labels,
+            "sentence_order_label": torch.zeros(batch, dtype=torch.long),
+        }
+
+
+@pytest.fixture
+def dht():
+    node = kit.DHT(host="127.0.0.1", client_mode=False)
+    yield node
+    node.shutdown()
+
+
+def make_trainer(dht, plan: TrainingPlan) -> Trainer:
+    config = tiny_config()
+    model = build_model(config)
+    optimizer = build_collaborative_optimizer(
+        model, config, dht, batch_size_per_step=plan.batch_size_per_step
+    )
+    return Trainer(model, optimizer, random_batches(plan.micro_batch), plan, username="alice")
+
+
+def test_steps_record_losses_and_global_steps(dht) -> None:
+    plan = TrainingPlan(micro_batch=2, accumulation_steps=2)
+    trainer = make_trainer(dht, plan)
+    seen: list[TrainingStatus] = []
+    steps: list[tuple[int, float, float]] = []
+    trainer.add_status_listener(seen.append)
+    trainer.add_step_listener(lambda *args: steps.append(args))
+    try:
+        trainer.run(max_steps=8)
+    finally:
+        trainer.optimizer.shutdown()
+    status = trainer.status
+    assert status.state is TrainingState.STOPPED
+    assert trainer.local_steps == 8 and trainer.samples_total == 32
+    assert [samples for samples, _, _ in steps] == [4] * 8
+    assert len(status.loss_history) == 8 and status.loss_history[-1][0] == 8
+    # 8 steps x 4 samples with a global batch of 8 = 4 global steps by this lone peer.
+    assert trainer.optimizer.local_epoch == 4 and status.local_epoch == 4
+    assert status.username == "alice"
+    assert TrainingState.TRAINING in {s.state for s in seen}
+    first, last = status.loss_history[0][1], status.loss_history[-1][1]
+    assert last < first  # the pattern is learnable in a few steps
+
+
+def test_stop_from_another_thread_ends_the_worker(dht) -> None:
+    trainer = make_trainer(dht, TrainingPlan(micro_batch=2, accumulation_steps=1))
+    started = threading.Event()
+    trainer.add_step_listener(lambda *args: started.set())
+    try:
+        trainer.start()
+        assert started.wait(60)
+        assert trainer.stop(timeout=60)
+        assert not trainer.running
+        assert trainer.status.state is TrainingState.STOPPED
+        with pytest.raises(kit.errors.KitError):
+            trainer.start()
+    finally:
+        trainer.optimizer.shutdown()
+
+
+def test_bf16_autocast_on_cpu_trains(dht) -> None:
+    plan = TrainingPlan(micro_batch=2, accumulation_steps=1, precision="bf16")
+    trainer = make_trainer(dht, plan)
+    try:
+        trainer.run(max_steps=3)
+    finally:
+        trainer.optimizer.shutdown()
+    assert trainer.local_steps == 3
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+def test_a_failing_listener_does_not_stop_training(dht) -> None:
+    trainer = make_trainer(dht, TrainingPlan(micro_batch=2, accumulation_steps=1))
+
+    def broken(status: TrainingStatus) -> None:
+        raise RuntimeError("display broke")
+
+    trainer.add_status_listener(broken)
+    try:
+        trainer.run(max_steps=2)
+    finally:
+        trainer.optimizer.shutdown()
+    assert trainer.local_steps == 2
+
+
+def test_data_errors_end_in_a_failed_state_with_the_message(dht) -> None:
+    def failing():
+        yield from ()
+        raise kit.errors.DataSourceNotFound("no data here - help: check data.sources")
+
+    config = tiny_config()
+    model = build_model(config)
+    plan = TrainingPlan(micro_batch=2, accumulation_steps=1)
+    optimizer = build_collaborative_optimizer(model, config, dht, batch_size_per_step=2)
+    trainer = Trainer(model, optimizer, failing(), plan)
+    try:
+        with pytest.raises(kit.errors.DataSourceNotFound):
+            trainer.run(max_steps=2)
+    finally:
+        optimizer.shutdown()
+    assert trainer.status.state is TrainingState.FAILED
+    assert "help: check data.sources" in trainer.status.message
