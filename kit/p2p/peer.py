@@ -473,7 +473,9 @@ class Peer:
     async def _serve_http(self, connection: Any, request: Any) -> Any:
         path, _, query = request.path.partition("?")
         handler = self._http_routes.get(path)
-        upgrade = request.headers.get("Upgrade", "").lower() == "websocket"
+        # get_all, not get: a repeated Upgrade header made get() raise MultipleValuesError,
+        # logged by websockets as an ERROR per request (found by tests/p2p/test_fuzz.py).
+        upgrade = any(v.lower() == "websocket" for v in request.headers.get_all("Upgrade"))
         if handler is None or upgrade:
             # A websocket upgrade (peers dial "/", where the dashboard's page also lives), or
             # websockets' own 426 answer.

@@ -232,11 +232,17 @@ class FastWebSocketChannel(asyncio.BufferedProtocol):
         self._on_lost = on_lost
         self._loop = asyncio.get_running_loop()
         self._last_received = self._loop.time()
+        if transport.is_closing():
+            # The peer hung up while websockets still owned the socket (found by fuzzing: a
+            # HELLO followed at once by EOF). uvloop raises RuntimeError on a closed transport.
+            raise ConnectionLost(f"websocket to {remote_address} closed before the takeover")
+        transport.set_write_buffer_limits(high=2**20)
+        transport.set_protocol(self)
+        # Started last: if the transport calls above raise, no keepalive task is left behind
+        # holding this channel (and its buffers) for keepalive_interval + keepalive_timeout.
         self._keepalive = asyncio.ensure_future(
             self._keep_alive(keepalive_interval, keepalive_timeout)
         )
-        transport.set_write_buffer_limits(high=2**20)
-        transport.set_protocol(self)
         if pending:
             self._message_ready.set()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import struct
 
@@ -9,12 +10,13 @@ import numpy as np
 import pytest
 from websockets.frames import Frame, Opcode
 
-from kit.errors import FrameTooLarge, MalformedFrame
+from kit.errors import ConnectionLost, FrameTooLarge, MalformedFrame
 from kit.p2p.websocket import (
     OP_BINARY,
     OP_CLOSE,
     OP_PING,
     OP_PONG,
+    FastWebSocketChannel,
     FrameReader,
     apply_mask,
     frame_header,
@@ -109,3 +111,30 @@ def test_mask_into_matches_bytewise_xor(phase: int, size: int) -> None:
 
 def test_ping_pong_opcodes() -> None:
     assert (OP_PING, OP_PONG) == (0x9, 0xA)
+
+
+@pytest.mark.sockets
+async def test_takeover_of_a_closed_transport_leaves_no_task_behind() -> None:
+    """Found by tests/p2p/test_fuzz.py: a dialer that sends its HELLO and hangs up at once left
+    the channel's keepalive task (and its buffers) alive for keepalive_interval + timeout, since
+    uvloop raises on a closed transport after the task had started."""
+    server = await asyncio.start_server(lambda reader, writer: writer.close(), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    transport, _ = await asyncio.get_running_loop().create_connection(
+        asyncio.Protocol, "127.0.0.1", port
+    )
+    transport.close()
+    before = asyncio.all_tasks()
+    with pytest.raises(ConnectionLost, match="closed before the takeover"):
+        FastWebSocketChannel(
+            transport,
+            is_client=False,
+            remote_address="test",
+            remote_host=None,
+            max_size=1024,
+            keepalive_interval=20.0,
+            keepalive_timeout=20.0,
+        )
+    assert asyncio.all_tasks() == before  # no keepalive task was started
+    server.close()
+    await server.wait_closed()
