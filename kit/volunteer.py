@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 
 #: Answers larger than this from a coordinator are refused (run info, tokenizer, leaderboard).
 MAX_ANSWER_BYTES = 64 * 1024 * 1024
+#: Seconds between two looks at the coordinator's leaderboard (for "my rank" in the panel).
+LEADERBOARD_PERIOD = 30.0
 
 
 class CoordinatorUnreachable(TransientError):
@@ -287,6 +289,7 @@ class Volunteer:
             device_label=f"{label} ({plan.precision})",
         )
         self._start_reporter(identity)
+        self._follow_leaderboard()
         for reason in plan.reasons:
             logger.info("plan: %s", reason)
         self.trainer.start(max_steps=max_steps, max_seconds=max_seconds)
@@ -357,6 +360,31 @@ class Volunteer:
             )
 
         trainer.add_step_listener(on_step)
+
+    def _follow_leaderboard(self) -> None:
+        """Keep "my rank" in the status fresh: a task owned by this peer, cancelled with it."""
+        import asyncio
+
+        trainer, url, username = self.trainer, self.info.url + "/api/leaderboard", self.username
+
+        async def follow() -> None:
+            while True:
+                try:
+                    body = await asyncio.to_thread(http_get, url, timeout=10.0, limit=2**22)
+                    rows = json.loads(body)["leaderboard"]
+                    rank = next(
+                        (i + 1 for i, row in enumerate(rows) if row.get("username") == username),
+                        None,
+                    )
+                    trainer.update_status(notify=False, rank=rank, leaderboard_size=len(rows))
+                except (KitError, ValueError, KeyError, TypeError, AttributeError) as error:
+                    logger.debug("leaderboard unavailable: %s", error)
+                await asyncio.sleep(LEADERBOARD_PERIOD)
+
+        async def spawn(_: Any, node: Any) -> None:
+            node.peer.spawn(follow(), "leaderboard")
+
+        self.dht.run_coroutine(spawn)
 
     @property
     def status(self) -> TrainingStatus:

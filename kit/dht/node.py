@@ -121,6 +121,7 @@ class DHTConfig:
     bootstrap_timeout: float = 15.0  # seconds to fill the routing table after reaching the initial peers
     refresh_period: float = 600.0  # refresh buckets with no lookup for this long (Kademlia §2.3: one hour)
     republish_period: float = 300.0  # re-store this node's own records on the current nearest nodes
+    rejoin_period: float = 15.0  # ping the initial peers this often, so a restarted bootstrap peer is found again; 0 = never
     cache_locally: bool = True  # keep values this node found, to answer repeated gets at once
     cache_on_store: bool = True  # keep values this node stored in its cache too
     cache_nearest: int = 1  # after a get, cache the value on this many nearest nodes that lacked it (§2.3)
@@ -211,6 +212,9 @@ class DHTNode:
         self._incarnations: dict[DHTID, int] = {}
         self._own_records: dict[tuple[bytes, bytes | None], DHTRecord] = {}
         self._initial_peers: tuple[str, ...] = ()
+        self._initial_ids: dict[
+            str, DHTID
+        ] = {}  # initial peer address -> its node id, once reached
         self._pinging: set[DHTID] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loops: list[asyncio.Task[Any]] = []
@@ -272,6 +276,10 @@ class DHTNode:
             loop.create_task(node._refresh_loop(), name=f"dht-refresh-{node.peer_id.short()}"),
             loop.create_task(node._republish_loop(), name=f"dht-republish-{node.peer_id.short()}"),
         ]
+        if node.config.rejoin_period > 0 and node._initial_peers:
+            node._loops.append(
+                loop.create_task(node._rejoin_loop(), name=f"dht-rejoin-{node.peer_id.short()}")
+            )
         return node
 
     @property
@@ -322,12 +330,13 @@ class DHTNode:
         )
         return answered
 
-    async def _join(self, address: str) -> bool:
+    async def _join(self, address: str, *, quiet: bool = False) -> bool:
         timeout = self.config.rpc_timeout
+        log = logger.debug if quiet else logger.warning
         try:
             peer_id = await self.peer.connect(address, timeout=timeout)
         except (PeerError, KitTimeout) as e:
-            logger.warning("initial peer %s did not answer: %s", address, e)
+            log("initial peer %s did not answer: %s", address, e)
             raise
         if peer_id == self.peer_id:
             return False  # our own address in a shared initial_peers list
@@ -335,7 +344,7 @@ class DHTNode:
         contact = Contact(peer_id, (address,))
         await self._request(contact, PING, PingRequest(self._info()), PingResponse, failures)
         if failures:
-            logger.warning("initial peer %s did not answer: %s", address, failures[0])
+            log("initial peer %s did not answer: %s", address, failures[0])
             raise failures[0]
         return True
 
@@ -754,6 +763,23 @@ class DHTNode:
                     )
             except (PeerError, KitTimeout) as e:
                 logger.warning("DHT refresh of %s failed: %s", self.peer_id.short(), e)
+
+    async def _rejoin_loop(self) -> None:
+        """Ping the initial peers now and then, so that a restarted one is found again.
+
+        Initial peers are the run's bootstrap peers (a coordinator): when one restarts, it comes
+        back knowing nobody, and nobody would look for it until their buckets go stale (Kademlia
+        refreshes hourly). A ping puts both sides back in each other's tables, and its new
+        incarnation makes us hand it the records it should hold (Kademlia §2.5).
+        """
+        while True:
+            await asyncio.sleep(self.config.rejoin_period)
+            own = set(self.peer.get_visible_addresses())
+            for address in [a for a in self._initial_peers if a not in own]:
+                try:
+                    await self._join(address, quiet=True)
+                except (PeerError, KitTimeout, ValueError) as e:
+                    logger.debug("initial peer %s unreachable: %s", address, e)
 
     async def _republish_loop(self) -> None:
         while True:

@@ -112,11 +112,14 @@ class Trainer:
         with self._lock:
             return self._status
 
-    def update_status(self, **changes: Any) -> TrainingStatus:
-        """Replace fields of the current snapshot and tell the listeners."""
+    def update_status(self, *, notify: bool = True, **changes: Any) -> TrainingStatus:
+        """Replace fields of the current snapshot and tell the listeners (unless ``notify`` is
+        False: callers on the runtime loop must not run the listeners' drawing there)."""
         with self._lock:
             self._status = dataclasses.replace(self._status, time=time.time(), **changes)
             status = self._status
+        if not notify:
+            return status
         for listener in list(self._status_listeners):
             try:
                 listener(status)

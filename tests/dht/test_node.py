@@ -405,3 +405,52 @@ def test_bootstrap_failure_is_typed_and_the_first_node_needs_no_peers(
             await DHTNode.create(await network.create_peer(), [own_address], config=FAST)
 
     run(scenario())
+
+
+@pytest.mark.sockets
+def test_a_restarted_bootstrap_peer_is_found_again_by_the_nodes_that_joined_through_it(
+    tmp_path: Path,
+) -> None:
+    """A coordinator restarts knowing nobody: its volunteers re-contact it (``rejoin_period``)
+    and re-store their records, so it reads them again within seconds, not at the next refresh."""
+    import dataclasses
+    import socket
+
+    from kit.p2p.peer import create_peer
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = dataclasses.replace(FAST, rejoin_period=200 * MS)
+    key = tmp_path / "bootstrap.key"
+
+    async def scenario() -> None:
+        first_peer = await create_peer(host="127.0.0.1", port=port, identity_path=key)
+        first = await DHTNode.create(first_peer, [], config=config)
+        address = first_peer.get_visible_addresses()[0]
+        volunteer = await DHTNode.create(
+            await create_peer(host="127.0.0.1"), [address], config=config
+        )
+        try:
+            assert await volunteer.store("progress", "epoch 3", get_dht_time() + 60)
+            await first.shutdown()
+            await first_peer.shutdown()
+            second_peer = await create_peer(host="127.0.0.1", port=port, identity_path=key)
+            second = await DHTNode.create(second_peer, [], config=config)
+            try:
+                assert len(second.routing_table) == 0
+                for _ in range(100):
+                    if volunteer.node_id in second.routing_table:
+                        break
+                    await asyncio.sleep(50 * MS)
+                assert volunteer.node_id in second.routing_table
+                found = await second.get("progress")
+                assert found is not None and found.value == "epoch 3"
+            finally:
+                await second.shutdown()
+                await second_peer.shutdown()
+        finally:
+            await volunteer.shutdown()
+            await volunteer.peer.shutdown()
+
+    run(scenario())
