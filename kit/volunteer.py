@@ -17,6 +17,7 @@ import dataclasses
 import json
 import logging
 import os
+import ssl
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -71,12 +72,20 @@ def coordinator_url(address: str) -> str:
     return f"{'https' if parsed.secure else 'http'}://{host}:{parsed.port}"
 
 
-def http_get(url: str, *, timeout: float = 15.0, limit: int = MAX_ANSWER_BYTES) -> bytes:
+def http_get(
+    url: str,
+    *,
+    timeout: float = 15.0,
+    limit: int = MAX_ANSWER_BYTES,
+    ssl_context: ssl.SSLContext | None = None,
+) -> bytes:
     """GET ``url`` (no proxy for loopback); raises CoordinatorUnreachable with what to do."""
     handlers: list[urllib.request.BaseHandler] = []
     host = urllib.parse.urlsplit(url).hostname or ""
     if host in ("localhost", "::1") or host.startswith("127."):
         handlers.append(urllib.request.ProxyHandler({}))
+    if ssl_context is not None:
+        handlers.append(urllib.request.HTTPSHandler(context=ssl_context))
     opener = urllib.request.build_opener(*handlers)
     try:
         with opener.open(url, timeout=timeout) as answer:
@@ -97,12 +106,14 @@ def http_get(url: str, *, timeout: float = 15.0, limit: int = MAX_ANSWER_BYTES) 
     return body
 
 
-def fetch_run_info(address: str, *, timeout: float = 15.0) -> RunInfo:
+def fetch_run_info(
+    address: str, *, timeout: float = 15.0, ssl_context: ssl.SSLContext | None = None
+) -> RunInfo:
     """Ask the coordinator for the run; validate the config and its hash."""
     from kit.coordinator import RUN_INFO_PATH
 
     url = coordinator_url(address)
-    body = http_get(url + RUN_INFO_PATH, timeout=timeout)
+    body = http_get(url + RUN_INFO_PATH, timeout=timeout, ssl_context=ssl_context)
     try:
         answer = json.loads(body)
         config = RunConfig.from_dict(answer["config"])
@@ -131,7 +142,9 @@ def fetch_run_info(address: str, *, timeout: float = 15.0) -> RunInfo:
     )
 
 
-def load_run_tokenizer(info: RunInfo, cache_dir: Path) -> Any:
+def load_run_tokenizer(
+    info: RunInfo, cache_dir: Path, ssl_context: ssl.SSLContext | None = None
+) -> Any:
     """The run's tokenizer: from the Hub repo in the config, else from the coordinator."""
     from kit.data.tokenizer import load_tokenizer
 
@@ -144,7 +157,7 @@ def load_run_tokenizer(info: RunInfo, cache_dir: Path) -> Any:
     if not target.is_file():
         cache_dir.mkdir(parents=True, exist_ok=True)
         partial = target.with_suffix(".part")
-        partial.write_bytes(http_get(info.tokenizer_url))
+        partial.write_bytes(http_get(info.tokenizer_url, ssl_context=ssl_context))
         os.replace(partial, target)
     return load_tokenizer(target)
 
@@ -161,6 +174,10 @@ class Volunteer:
         hardware: a ``kit.hardware.Hardware`` (tests); default: detect this machine.
         client_mode: None = detect reachability; True when this machine cannot accept connections.
         host: where this peer listens (default every interface; "127.0.0.1" for local runs).
+        ssl_context: how to check the coordinator's certificate (https/wss); None = the system
+            CAs. Pass one that trusts the organizer's CA for a self-signed coordinator.
+        allow_insecure_http: send the Hugging Face token to a plain-http coordinator that is not
+            on this machine (only on a network you trust; loopback is always allowed).
     """
 
     def __init__(
@@ -173,9 +190,13 @@ class Volunteer:
         hardware: Any = None,
         client_mode: bool | None = None,
         host: str = "0.0.0.0",
+        ssl_context: ssl.SSLContext | None = None,
+        allow_insecure_http: bool = False,
     ) -> None:
         self.host = host
-        self.info = fetch_run_info(address)
+        self.ssl_context = ssl_context
+        self.allow_insecure_http = allow_insecure_http
+        self.info = fetch_run_info(address, ssl_context=ssl_context)
         self.config = self.info.config
         self.work_dir = Path(work_dir)
         self.hf_token = hf_token
@@ -227,7 +248,8 @@ class Volunteer:
                 hf_token.strip(),
                 self.identity(),
                 authority_public_key=self.info.authority_public_key,
-                allow_insecure_http=True,
+                ssl_context=self.ssl_context,
+                allow_insecure_http=self.allow_insecure_http,
             ),
             timeout=60.0,
         )
@@ -259,6 +281,8 @@ class Volunteer:
         )
         if self.authorizer is not None:
             peer_options["authorizer"] = self.authorizer
+        if self.ssl_context is not None:
+            peer_options["client_ssl"] = self.ssl_context
         self.dht = DHT(
             initial_peers=list(self.info.initial_peers),
             client_mode=self.client_mode,
@@ -319,7 +343,7 @@ class Volunteer:
 
         if plan.auxiliary:
             return iter(())
-        tokenizer = load_run_tokenizer(self.info, self.work_dir / ".kit")
+        tokenizer = load_run_tokenizer(self.info, self.work_dir / ".kit", self.ssl_context)
         pipeline = PretrainingPipeline.from_config(
             self.config.data, tokenizer, peer_identity=identity.peer_id.to_bytes()
         )
@@ -370,7 +394,9 @@ class Volunteer:
         async def follow() -> None:
             while True:
                 try:
-                    body = await asyncio.to_thread(http_get, url, timeout=10.0, limit=2**22)
+                    body = await asyncio.to_thread(
+                        http_get, url, timeout=10.0, limit=2**22, ssl_context=self.ssl_context
+                    )
                     rows = json.loads(body)["leaderboard"]
                     rank = next(
                         (i + 1 for i, row in enumerate(rows) if row.get("username") == username),
@@ -570,6 +596,14 @@ def add_command(subparsers: Any) -> None:
     parser.add_argument(
         "--client-mode", action="store_true", help="never listen (behind NAT); default: detect"
     )
+    parser.add_argument(
+        "--ca-file", default=None, help="trust this CA for the coordinator's https/wss certificate"
+    )
+    parser.add_argument(
+        "--allow-insecure-http",
+        action="store_true",
+        help="send your Hugging Face token to a plain-http coordinator (trusted networks only)",
+    )
     parser.set_defaults(handler=_join_command)
 
 
@@ -586,6 +620,8 @@ def _join_command(args: Any) -> int:
             block=True,
             host=args.host,
             client_mode=True if args.client_mode else None,
+            ssl_context=ssl.create_default_context(cafile=args.ca_file) if args.ca_file else None,
+            allow_insecure_http=args.allow_insecure_http,
         )
     except KitError as error:
         logger.error("%s", error)

@@ -120,7 +120,9 @@ def test_allowlisted_run_leaderboard_checkpoints_and_restart(tmp_path, hub) -> N
         def alice_on_board() -> bool:
             board = get_json(coordinator.http_url + "/api/leaderboard")
             rows = board["leaderboard"] if isinstance(board, dict) else board
-            return any(r["username"] == "alice" and r["samples"] > 0 and r["verified"] for r in rows)
+            return any(
+                r["username"] == "alice" and r["samples"] > 0 and r["verified"] for r in rows
+            )
 
         wait_for(alice_on_board, 120, "alice on the leaderboard")
         wait_for(lambda: coordinator.auxiliary.manager.latest() is not None, 120, "a checkpoint")
@@ -147,9 +149,7 @@ def test_allowlisted_run_leaderboard_checkpoints_and_restart(tmp_path, hub) -> N
         coordinator = start_coordinator(config, tmp_path, port, hub)
         assert coordinator.auxiliary.restored_step is not None
         assert coordinator.auxiliary.restored_step >= saved_step
-        restored = {
-            row["username"]: row["samples"] for row in coordinator.collector.leaderboard()
-        }
+        restored = {row["username"]: row["samples"] for row in coordinator.collector.leaderboard()}
         assert restored.get("alice", 0) >= samples_before  # the leaderboard survived the restart
         wait_for(
             lambda: coordinator.collector.summary().get("peers_online", 0) >= 1,
@@ -237,3 +237,51 @@ def test_a_run_yaml_whose_authority_key_is_not_ours_is_refused(tmp_path) -> None
     with pytest.raises(ConfigError, match="authority"):
         coordinator.start()
     coordinator.shutdown()
+
+
+def test_volunteers_join_an_allowlisted_coordinator_over_wss(tmp_path, hub) -> None:
+    """TLS on the coordinator's port (Colab/Kaggle let only HTTPS out): run info, token, tokenizer
+    and the peer connection all go over https/wss, checked against the organizer's certificate."""
+    import ssl
+
+    from tests.p2p.tls import make_certificate
+
+    port = free_port()
+    config = allowlisted_run(tmp_path, port)
+    access = dataclasses.replace(config.access, coordinator=f"/ip4/127.0.0.1/tcp/{port}/wss")
+    config = dataclasses.replace(
+        config,
+        access=access,
+        checkpoint=dataclasses.replace(config.checkpoint, hub_repo=None),
+    )
+    certfile, keyfile = make_certificate(tmp_path)
+    options = CoordinatorOptions(
+        host="127.0.0.1",
+        port=port,
+        tls_certfile=str(certfile),
+        tls_keyfile=str(keyfile),
+        state_dir=str(tmp_path / "coordinator"),
+        tokenizer_dir=str(tmp_path / "demo_tokenizer"),
+        auxiliary_peer=False,
+        metrics_period=1.0,
+    )
+    trusted = ssl.create_default_context(cafile=str(certfile))
+    with Coordinator(config, options) as coordinator:
+        assert coordinator.join_url == f"https://127.0.0.1:{port}"
+        with pytest.raises(CoordinatorUnreachable):  # the system CAs do not know this certificate
+            fetch_run_info(coordinator.join_url, timeout=5)
+        volunteer = Volunteer(
+            coordinator.join_url,
+            work_dir=tmp_path / "alice",
+            host="127.0.0.1",
+            client_mode=False,
+            ssl_context=trusted,
+        )
+        try:
+            assert volunteer.login("hf_alice") == "alice"
+            volunteer.start(max_steps=3)
+            assert volunteer.wait(120)
+            assert volunteer.status.state.value == "stopped"
+            assert volunteer.trainer.local_steps == 3
+        finally:
+            volunteer.stop()
