@@ -86,6 +86,7 @@ class Trainer:
         self._status_listeners: list[StatusListener] = []
         self._step_listeners: list[StepListener] = []
         self.local_steps = 0
+        self.most_peers_seen = 1  # this peer included
         self.samples_total = 0
         self.compute_seconds = 0.0
         self.error: BaseException | None = None
@@ -271,8 +272,19 @@ class Trainer:
         rate = self.optimizer.tracker.local.samples_per_second
         with self._lock:
             losses = tuple(self._losses)
+        message = self._status.message
+        self.most_peers_seen = max(self.most_peers_seen, progress.num_peers)
+        if progress.num_peers <= 1 and self.most_peers_seen > 1:
+            # The others' progress records stopped coming (our network, or theirs): keep training
+            # alone toward the target batch (DeDLOC: any subset of peers can make the step),
+            # while the DHT re-contacts the bootstrap peers by itself.
+            state = TrainingState.RECONNECTING
+            message = "no other peer seen: training alone while kit reconnects by itself"
+        elif self._status.state is TrainingState.RECONNECTING:
+            message = f"back with {progress.num_peers - 1} other peer(s)"
         self.update_status(
             state=state,
+            message=message,
             local_epoch=self.optimizer.local_epoch,
             global_epoch=progress.epoch,
             samples_accumulated=progress.samples_accumulated,

@@ -150,3 +150,56 @@ def test_data_errors_end_in_a_failed_state_with_the_message(dht) -> None:
         optimizer.shutdown()
     assert trainer.status.state is TrainingState.FAILED
     assert "help: check data.sources" in trainer.status.message
+
+
+class ScriptedTracker:
+    """The parts of a ProgressTracker the trainer reads, with a scripted number of peers."""
+
+    def __init__(self, peers: list[int]) -> None:
+        from kit.optim.progress import GlobalProgress, LocalProgress
+
+        self.peers = peers
+        self.progress_type = GlobalProgress
+        self.local = LocalProgress(b"me", 0, 0, 10.0, 0.0, False)
+        self.ready_to_update_epoch = False
+
+    async def wait_for_update(self, timeout: float):
+        return self.global_progress
+
+    @property
+    def global_progress(self):
+        count = self.peers[0] if len(self.peers) == 1 else self.peers.pop(0)
+        return self.progress_type(0, 0, 8, count, 0, float("inf"), 0.0)
+
+
+class ScriptedOptimizer:
+    target_batch_size = 8
+    local_epoch = 0
+
+    def __init__(self, peers: list[int]) -> None:
+        self.tracker = ScriptedTracker(peers)
+        self.param_groups: list = []
+
+    def step(self, batch_size: int) -> None:
+        pass
+
+    def zero_grad(self) -> None:
+        pass
+
+
+def test_losing_every_other_peer_shows_reconnecting_then_recovers() -> None:
+    model = build_model(tiny_config())
+    # Reads of the progress: one when joining, then two per step (before and after it).
+    peers = [3, 3, 3, 3, 3, 1, 1, 1, 1, 2]
+    plan = TrainingPlan(micro_batch=2, accumulation_steps=1)
+    trainer = Trainer(model, ScriptedOptimizer(peers), random_batches(2), plan)
+    seen: list[TrainingStatus] = []
+    trainer.add_status_listener(seen.append)
+    trainer.run(max_steps=5)
+    states = [status.state for status in seen]
+    first_reconnecting = states.index(TrainingState.RECONNECTING)
+    assert TrainingState.TRAINING in states[:first_reconnecting]  # others were seen first
+    assert "training alone" in seen[first_reconnecting].message
+    recovered = [s for s in seen[first_reconnecting:] if s.state is TrainingState.TRAINING]
+    assert recovered and recovered[0].message == "back with 1 other peer(s)"
+    assert trainer.status.state is TrainingState.STOPPED
