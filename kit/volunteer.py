@@ -554,6 +554,11 @@ def _join_with_widgets(volunteer: Volunteer, token: str | None, **limits: Any) -
             volunteer.start(**limits)
         except KitError as error:
             panel.finish(TrainingStatus(state=TrainingState.FAILED, message=str(error)))
+            volunteer.stop()
+            return
+        except KeyboardInterrupt:  # the kernel was interrupted while joining
+            volunteer.stop()
+            panel.finish(TrainingStatus(state=TrainingState.STOPPED, message="stopped"))
             return
 
         def show(status: TrainingStatus) -> None:

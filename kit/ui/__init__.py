@@ -7,6 +7,8 @@ Read in this order:
   one readable status line; the token is checked by a callback and never echoed or logged).
 * ``panel``: :class:`TrainingPanel`, the live notebook panel (loss plot updated in place, state
   badge, progress toward the next global step, speed, contribution, device, last message, Stop).
+* ``leaderboard``: :func:`leaderboard_html` and :class:`LeaderboardWidget` (the run's
+  contributors, best first, with a Refresh button).
 * ``console``: :class:`ConsoleReporter`, a ``tqdm`` bar plus one log line per state change,
   message and global step, for ``kit join`` on the command line.
 
@@ -16,7 +18,15 @@ callbacks it is given; it decides nothing about training (that is ``kit.training
 """
 
 from kit.ui.console import ConsoleReporter
+from kit.ui.leaderboard import LeaderboardWidget, leaderboard_html
 from kit.ui.login import LoginWidget, find_cached_hf_token
 from kit.ui.panel import TrainingPanel
 
-__all__ = ["ConsoleReporter", "LoginWidget", "TrainingPanel", "find_cached_hf_token"]
+__all__ = [
+    "ConsoleReporter",
+    "LeaderboardWidget",
+    "LoginWidget",
+    "TrainingPanel",
+    "find_cached_hf_token",
+    "leaderboard_html",
+]
