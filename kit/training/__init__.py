@@ -2,8 +2,9 @@
 
 Read in this order: ``status`` (the snapshot the UI draws, torch-free) → ``lamb`` (the LAMB
 optimizer) → ``components`` (model, optimizer, schedule, codecs and ``kit.Optimizer`` from a
-``RunConfig``) → ``trainer`` (the local training loop) → ``checkpoints`` (saving, pushing to the
-Hub, restoring).
+``RunConfig``) → ``trainer`` (the local training loop) → ``training_state`` (optimizer state on
+disk, no pickle) → ``checkpoints`` (saving, pushing to the Hub, restoring) → ``auxiliary`` (the
+coordinator's peer).
 """
 
 from kit.training.status import TrainingState, TrainingStatus
