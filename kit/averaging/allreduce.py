@@ -126,6 +126,7 @@ class AllReduceRunner:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._aborted: str | None = None
         self._finished = False
+        self._marks: dict[str, float] = {}  # event -> loop time, for the round's debug timeline
         self.bytes_sent = 0
         self.bytes_received = 0
 
@@ -137,6 +138,7 @@ class AllReduceRunner:
         Raises:
             GroupMismatch: a member disagreed about the group; nothing was written.
         """
+        self._mark("start")
         try:
             exchanges = {
                 k: self._spawn(self._exchange_part(k))
@@ -151,10 +153,24 @@ class AllReduceRunner:
                 raise GroupMismatch(f"round aborted: {self._aborted}")
             parts = [self._report(k, exchanges.get(k)) for k in range(len(self.group))]
             self._commit(parts)
+            self._mark("committed")
+            self._log_timeline()
             return RoundReport(tuple(parts))
         finally:
             self._finished = True
             await cancel_and_wait(list(self._tasks), 1.0)
+
+    def _mark(self, event: str) -> None:
+        self._marks.setdefault(event, asyncio.get_running_loop().time())
+
+    def _log_timeline(self) -> None:
+        """One debug line: when each phase of this peer's round ended, from the round's start
+        (where a round's time goes: sending, the last input, the last average out and in)."""
+        if logger.isEnabledFor(logging.DEBUG):
+            start = self._marks["start"]
+            marks = sorted(self._marks.items(), key=lambda mark: mark[1])
+            ends = " ".join(f"{event}=+{t - start:.3f}" for event, t in marks)
+            logger.debug("round %s timeline: %s", self.group.group_id.hex()[:8], ends)
 
     def _remaining(self, timeout: float | None = None) -> float | None:
         deadline = self.timeouts.deadline
@@ -279,6 +295,7 @@ class AllReduceRunner:
             await stream.send_message(wire.packb(chunk_header), timeout=timeout)
             await stream.send_message(payload, timeout=timeout)
             self.bytes_sent += len(payload)
+        self._mark(f"queued_part{k}")  # all handed to the connection (not yet on the wire)
         await stream.close()
 
     async def _receive_averages(self, stream: StreamAPI, k: int) -> tuple[frozenset[PeerID], ...]:
@@ -295,6 +312,9 @@ class AllReduceRunner:
             if mask:
                 await self._receive_average(stream, header, spec, timeout)
             chunk_peers.append(frozenset(p for p, bit in self.sender_bits.items() if mask & bit))
+            if len(chunk_peers) == 1:
+                self._mark(f"first_average_of_part{k}")
+        self._mark(f"got_part{k}")
         return tuple(chunk_peers)
 
     async def _receive_average(
@@ -356,6 +376,7 @@ class AllReduceRunner:
                     self._completed(reducer.exclude(sender))
         if self._writers:
             await asyncio.wait(list(self._writers), timeout=self._remaining())
+        self._mark("own_all_sent")
 
     def _completed(self, chunks: Sequence[int]) -> None:
         """These chunks of our part are averaged: encode each once for every sender's stream."""
@@ -368,6 +389,10 @@ class AllReduceRunner:
         for chunk in chunks:
             self._averaged[chunk] = self._encode_average(chunk)
         self._advance()
+        if self._ready >= 1:
+            self._mark("own_first_averaged")
+        if self._ready == len(self._averaged):
+            self._mark("own_all_averaged")
 
     async def _clip_then_complete(self, reducer: ClippedPartReducer, chunks: Sequence[int]) -> None:
         # CenteredClip reads senders x part a few dozen times: off the event loop, which also

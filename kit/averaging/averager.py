@@ -245,8 +245,11 @@ class AsyncAverager:
         if group is None:
             self.stats["no_group"] += 1
             return None
-        plan = PartitionPlan.build(self.descriptors, group.part_sizes, self.chunk_elements)
-        report, runner = await self._run_allreduce(group, plan)
+        try:
+            plan = PartitionPlan.build(self.descriptors, group.part_sizes, self.chunk_elements)
+            report, runner = await self._run_allreduce(group, plan)
+        finally:
+            self.matchmaking.withdraw_after_round()  # not during it: see find_group
         allreduce_time = loop.time() - started - matchmaking_time
         if report is None:
             self.stats["aborted_rounds"] += 1

@@ -149,6 +149,7 @@ class MatchmakingDriver:
         self._wakeup = asyncio.Event()
         self._group: GroupInfo | None = None
         self._declared_until = 0.0
+        self._pending_withdrawal = 0.0  # declared until then; withdrawn once the round ends
 
     @property
     def group_key(self) -> str:
@@ -166,7 +167,10 @@ class MatchmakingDriver:
         return self._matchmaker.phase if self._matchmaker is not None else Phase.IDLE
 
     async def find_group(self, me: MemberInfo, deadline: float) -> GroupInfo | None:
-        """Look for a group until ``deadline`` (DHT time); None if none formed in time."""
+        """Look for a group until ``deadline`` (DHT time); None if none formed in time.
+
+        After a group's round, call :meth:`withdraw_after_round` (its declaration stays in the
+        DHT till then, so no DHT store competes with the all-reduce for the links)."""
         matchmaker = self._matchmaker = Matchmaker(me, self.settings)
         self._group, self._declared_until = None, 0.0
         declaration = matchmaker.start(get_dht_time(), deadline)
@@ -191,10 +195,19 @@ class MatchmakingDriver:
                 logger.info("%s: no group (%s)", self.prefix, matchmaker.failure)
             return self._group if matchmaker.phase is Phase.ASSEMBLED else None
         finally:
+            assembled = matchmaker.phase is Phase.ASSEMBLED and self._group is not None
             self._execute(matchmaker.cancel("the search ended"))
             self._matchmaker = None
             await cancel_and_wait(list(self._tasks), 1.0)
-            if declaration is not None:
+            if declaration is not None and assembled:
+                # Not now: the all-reduce is about to fill every link to the other members, and
+                # a DHT store queued behind its chunks times out (seen on 100 Mbit/s links: 3-6
+                # s, every member then marked failed, and the next round's polls saw half the
+                # declarations for ~4 s). The averager calls withdraw_after_round(); till then
+                # a peer that asks us is refused (not_looking), and most often the
+                # declaration has expired by the round's end anyway (see _declare's period).
+                self._pending_withdrawal = self._declared_until
+            elif declaration is not None:
                 self._spawn_owned(self._withdraw(self._declared_until))
 
     def _spawn(self, work: Awaitable[Any]) -> None:
@@ -260,6 +273,12 @@ class MatchmakingDriver:
                 logger.info("%s: declaring in the DHT failed: %s", self.prefix, e)
             declared.set()
             await asyncio.sleep(period / 2)
+
+    def withdraw_after_round(self) -> None:
+        """The round of the last group found is over: withdraw its declaration if still live."""
+        declared_until, self._pending_withdrawal = self._pending_withdrawal, 0.0
+        if declared_until > get_dht_time():
+            self._spawn_owned(self._withdraw(declared_until))
 
     async def _withdraw(self, declared_until: float) -> None:
         """Replace the declaration by a tombstone, so nobody asks a peer that stopped looking."""

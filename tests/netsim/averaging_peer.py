@@ -9,14 +9,21 @@ Peers meet through files in a shared run directory (namespaces share the file sy
 writes its DHT address, and a file barrier before every round makes all peers call ``step()``
 together, so a round's time is the slowest peer's ``step()`` and matchmaking is short.
 Each peer prints one JSON line at the end: per round its ``step()`` time, the matchmaking part,
-the all-reduce part, the group's part sizes (group order) and its own position in the group.
+the all-reduce part, its CPU time, the group's part sizes (group order) and its own position.
+
+Diagnosis: ``KIT_NETSIM_LOG=INFO`` makes every peer log to stderr (prefixed ``p<index>``), and
+``KIT_NETSIM_DEBUG=kit.averaging.allreduce,kit.dht`` adds those loggers' debug lines (e.g. each
+round's per-peer timeline: when the first average of each part came back, when the own part was
+averaged, when every part was in).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -51,6 +58,13 @@ def run_peer(args: argparse.Namespace) -> dict[str, Any]:
     from kit.dht import DHT
 
     torch.set_num_threads(1)
+    if os.environ.get("KIT_NETSIM_LOG"):  # debugging a scenario: every peer logs to stderr
+        logging.basicConfig(
+            level=os.environ["KIT_NETSIM_LOG"],
+            format=f"%(relativeCreated)8.0f p{args.index} %(name)s %(levelname)s %(message)s",
+        )
+        for name in filter(None, os.environ.get("KIT_NETSIM_DEBUG", "").split(",")):
+            logging.getLogger(name).setLevel(logging.DEBUG)
     n, i, run_dir = args.peers, args.index, args.run_dir
     numel = int(args.size_mb * 1e6) // 4
     own = torch.full((numel,), float(i + 1))
@@ -86,9 +100,10 @@ def run_peer(args: argparse.Namespace) -> dict[str, Any]:
             with averager.get_tensors() as tensors:
                 tensors[0].copy_(own)
             _barrier(run_dir, f"r{r}", i, n)
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             outcome = averager.step(timeout=60.0)
             total = time.perf_counter() - started
+            cpu = time.process_time() - cpu_started  # all threads: the runtime's loop does the work
             if outcome is None:
                 rounds.append({"round": r, "ok": False, "total_s": total})
                 continue
@@ -101,6 +116,7 @@ def run_peer(args: argparse.Namespace) -> dict[str, Any]:
                     "total_s": total,
                     "matchmaking_s": outcome.matchmaking_time,
                     "allreduce_s": outcome.allreduce_time,
+                    "cpu_s": cpu,
                     "part_sizes": list(outcome.plan.part_sizes),
                     "position": list(outcome.peers).index(dht.peer_id),
                 }
@@ -160,6 +176,7 @@ def run_rounds(
         if process.returncode != 0 or not lines:
             raise RuntimeError(f"averaging peer in {host} failed ({process.returncode})")
         results.append(json.loads(lines[-1]))
+    shutil.rmtree(run_dir, ignore_errors=True)  # barrier files only
     table = []
     for r in range(rounds):
         records = [next(x for x in p["rounds"] if x["round"] == r) for p in results]
@@ -168,6 +185,11 @@ def run_rounds(
         row["round_s"] = max(x["total_s"] for x in records)
         if ok:
             row["allreduce_s"] = max(x["allreduce_s"] for x in records)
+            row["matchmaking_s"] = max(x["matchmaking_s"] for x in records)
+            row["peers"] = [  # per peer: step, matchmaking, all-reduce and CPU seconds (diagnosis)
+                [round(x[k], 3) for k in ("total_s", "matchmaking_s", "allreduce_s", "cpu_s")]
+                for x in records
+            ]
             row["part_sizes"] = {
                 host: x["part_sizes"][x["position"]] for host, x in zip(hosts, records, strict=True)
             }

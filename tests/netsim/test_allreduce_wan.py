@@ -1,8 +1,8 @@
 """kit's all-reduce over shaped links (issue 10, scenarios 1 and 2): real averagers in namespaces.
 
-Scenario 1: four peers on 100 Mbit/s links; a steady round stays near the bandwidth
-lower bound 2(N-1)/N * M / B (each peer must send and receive that much through its own link);
-every peer declares the same bandwidth, so the split is the even one.
+Scenario 1: four peers on 100 Mbit/s links; a steady round (matchmaking included) stays near the
+bandwidth lower bound 2(N-1)/N * M / B (each peer must send and receive that much through its own
+link); every peer declares the same bandwidth, so the split is the even one.
 Scenario 2: one 1 Gbit/s peer and three 50 Mbit/s ones; DeDLOC's LP (fed the true link rates)
 gives the fast peer the largest part and beats an even split (every peer declaring the same
 bandwidth). The ``netns`` tests need root, iproute2 and nftables; skipped elsewhere.
@@ -32,9 +32,10 @@ skip_without_netns = pytest.mark.skipif(
     NETNS_PROBLEM is not None, reason=f"netns unavailable: {NETNS_PROBLEM}"
 )
 PEERS = 4
-SIZE_MB = 16.0  # scenario 1: ~2 s a round at 100 Mbit/s, so per-round set-up (~0.1 s) is small
+SIZE_MB = 32.0  # scenario 1: ~4.3 s a round at 100 Mbit/s; at 16 MB the fixed costs of a round
+# (first chunk in before the first average can leave, stream set-up) were ~1.18-1.24x the bound
 LP_SIZE_MB = 8.0  # scenario 2: the LP's gain is a ratio of bandwidths, any size shows it
-ROUNDS = 4  # round 0 opens connections; rounds 1.. are steady
+ROUNDS = 3  # round 0 opens connections; rounds 1.. are steady
 MBIT = 1e6 / 8  # bytes/s per Mbit/s
 
 
@@ -63,10 +64,15 @@ def test_equal_links_allreduce_is_near_the_bandwidth_bound() -> None:
     # busy moment slows a round without saying anything about the protocol (the median is in
     # benchmarks/wan.py).
     ratio = steady(table, "round_s", best=True) / bound
-    # The issue's target is <= 1.15x (measured here: 1.13-1.22x, best rounds; see benchmarks/wan.py).
-    # Four peers share two cores with the rest of CI, so this test guards against regressions at
-    # 1.30x instead of failing on scheduling noise; below 1 would mean the links were not shaped.
-    assert 1.0 <= ratio <= 1.30, (ratio, table)
+    # The issue's target is <= 1.15x; measured: 1.12-1.16x here (32 MB), 1.11-1.13x at 72 MB in
+    # benchmarks/wan.py, where plain TCP moving the same bytes all-to-all takes ~1.16x. Four peers
+    # share two cores with the rest of CI, so this guards against regressions at 1.25x instead of
+    # failing on scheduling noise; below 1 would mean the links were not shaped.
+    assert 1.0 <= ratio <= 1.25, (ratio, table)
+    # Matchmaking of a steady round takes ~0.05 s. It took ~4-5 s at 72 MB when each member's
+    # DHT withdrawal was sent as the all-reduce began: queued behind its chunks, the stores timed
+    # out, every member was marked failed and the next polls missed half the declarations.
+    assert steady(table, "matchmaking_s", best=True) < 1.5, table
 
 
 @pytest.mark.netns
