@@ -10,7 +10,10 @@ peer has made its first step. Phase 2 (--late-join): one more peer starts at T0 
 downloads the state and trains; time_to_join_s = from its launch to the end of its first step at
 the collaboration's epoch. One JSON line: ``full_window.samples_per_s``,
 ``full_window.epochs_advanced``, ``full_window.fraction_outside_fwd_bwd``,
-``full_window.longest_stall_s``, ``late_join.time_to_join_s``.
+``full_window.longest_stall_s``, ``late_join.time_to_join_s``, and (kit only) ``late_join.phases_s``:
+seconds from the late peer's launch to ``imported`` (torch, kit), ``dht_ready``, ``optimizer_ready``
+and ``state_loaded`` (its ``load_state_from_peers`` returned). ``KIT_BENCH_LOG=DEBUG`` makes the
+peers' kit.optim log each averaging round's matchmaking and all-reduce times on stderr.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ import sys
 import tempfile
 import time
 
+# Peers run as ``python benchmarks/collab_train.py``: make the repository's ``kit`` importable.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 
 def peer_main(args: argparse.Namespace) -> None:
     import torch
@@ -30,7 +36,13 @@ def peer_main(args: argparse.Namespace) -> None:
     import kit
 
     torch.set_num_threads(1)
+    if os.environ.get("KIT_BENCH_LOG"):  # e.g. DEBUG: the optimizer's per-round timings on stderr
+        import logging
+
+        logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
+        logging.getLogger("kit.optim").setLevel(os.environ["KIT_BENCH_LOG"])
     launched = float(args.launched)
+    phases: dict[str, float] = {"imported": time.time() - launched}
     torch.manual_seed(0)
     teacher = torch.randn(args.in_dim, 10)
     model = torch.nn.Sequential(
@@ -45,6 +57,7 @@ def peer_main(args: argparse.Namespace) -> None:
         host="127.0.0.1",
         client_mode=False,
     )
+    phases["dht_ready"] = time.time() - launched
     if not args.initial_peer:
         with open(args.events + ".addr", "w") as file:
             file.write(dht.get_visible_maddrs()[0])
@@ -57,8 +70,10 @@ def peer_main(args: argparse.Namespace) -> None:
         matchmaking_time=args.matchmaking_time,
         averaging_timeout=args.averaging_timeout,
     )
+    phases["optimizer_ready"] = time.time() - launched
     if args.late:
         opt.load_state_from_peers()
+        phases["state_loaded"] = time.time() - launched
     generator = torch.Generator().manual_seed(os.getpid())
     deadline = time.time() + args.deadline
     with open(args.events, "w") as events:
@@ -82,6 +97,8 @@ def peer_main(args: argparse.Namespace) -> None:
             if args.late and synced and not os.path.exists(args.events + ".joined"):
                 with open(args.events + ".joined", "w") as file:
                     file.write(str(time.time() - launched))
+                with open(args.events + ".phases", "w") as file:
+                    json.dump({k: round(v, 2) for k, v in phases.items()}, file)
     opt.shutdown()
     dht.shutdown()
 
@@ -184,7 +201,7 @@ def main() -> None:
         "peers": args.peers,
         "duration": args.duration,
     }
-    late_result = None
+    late_result: dict[str, object] | None = None
     if args.late_join:
         late = launch(args.peers, address, late=True)
         joined = os.path.join(folder, f"peer{args.peers}.joined")
@@ -196,6 +213,9 @@ def main() -> None:
         if os.path.exists(joined):
             with open(joined) as file:
                 late_result["time_to_join_s"] = round(float(file.read()), 2)
+        if os.path.exists(joined.replace(".joined", ".phases")):
+            with open(joined.replace(".joined", ".phases")) as file:
+                late_result["phases_s"] = json.load(file)
         processes.append(late)
     open(stop, "w").close()
     for process in processes:

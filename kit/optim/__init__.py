@@ -2,6 +2,10 @@
 
 Read in this order: ``progress`` (who has how many samples; when the next global step is) →
 ``state`` (snapshots of the training state, served to and downloaded by late joiners) →
+``state_averaging`` (when parameters need averaging; delayed rounds applied as deltas) →
+``stepping`` (where the inner optimizer steps: in place, on CPU copies, in a thread) →
+``sharing`` (publishing the state, downloading it, catching up in the background) →
+``arguments`` (hivemind's arguments: accepted, refused) →
 ``optimizer`` (``kit.Optimizer``: accumulate, average, step).
 """
 

@@ -7,34 +7,37 @@ global step ("epoch") always uses ``target_batch_size`` samples.
 
 How one ``step(batch_size=...)`` works (gradient averaging, the default):
 
-1. the local gradient is added to an accumulator, weighted by ``batch_size``; a non-finite
-   gradient is skipped with a warning (it never poisons the others);
-2. the progress tracker publishes the local sample count; if the collaboration now has the
-   target batch (or moved past our epoch), this peer joins an averaging round: every peer
+1. finished background work is applied first (a safe point: the caller's backward is done and
+   its next forward has not begun): a delayed optimizer step, a parameter-averaging round, a
+   catch-up state download;
+2. the local gradient is added to an accumulator, weighted by ``batch_size`` (or, with
+   ``reuse_grad_buffers``, left to accumulate in ``.grad``); a non-finite gradient is skipped
+   with a warning (it never poisons the others);
+3. the progress tracker publishes the local sample count; if the collaboration now has the
+   target batch, this peer joins an averaging round tagged with its epoch: every peer
    contributes its *mean* gradient weighted by its sample count, so the result is exactly the
    mean gradient over the global batch, as one process accumulating it would compute;
-3. the inner optimizer steps with that gradient, the scheduler steps once per epoch, and every
-   ``average_state_every`` epochs the parameters are averaged too (it corrects any drift);
-4. a peer whose averaging failed proceeds with its local gradient and says so in the log; a peer
-   that fell behind (local epoch < global epoch) downloads the state from peers (``state.py``).
+4. the inner optimizer steps with that gradient (in a background thread with
+   ``delay_optimizer_step``), the scheduler steps once per epoch;
+5. parameters are averaged only when they may have drifted apart (``state_averaging``: a
+   full, exact gradient all-reduce leaves every member identical), in the background, applied
+   later as a delta (hivemind's ``delay_state_averaging``);
+6. a peer that fell one epoch behind (its round failed, or it just downloaded a state that the
+   collaboration has since stepped past) moves to the current epoch at once and downloads the
+   current state in the background; further behind, it downloads the state before going on.
 
 With ``use_local_updates=True`` (hivemind's quickstart; local SGD as in DiLoCo-style runs) the
-inner optimizer steps after every local step and the collaboration averages parameters (and the
-optimizer statistics named in ``average_opt_statistics``) once per epoch.
+inner optimizer steps after every local step and the collaboration averages parameters once per
+epoch (``average_opt_statistics`` is accepted but not averaged yet).
 
-Supported hivemind arguments: dht, run_id, target_batch_size, batch_size_per_step, optimizer
-(instance or factory), params, scheduler (instance or factory), matchmaking_time,
-averaging_timeout, allreduce_timeout, next_chunk_timeout, load_state_timeout,
-average_state_every, use_local_updates, client_mode (an explicit value is honoured), auxiliary,
-grad_compression, state_averaging_compression, average_opt_statistics, averager_opts,
-tracker_opts, verbose. Not supported yet, refused with a clear error when enabled:
-delay_optimizer_step, delay_grad_averaging, offload_optimizer, reuse_grad_buffers,
-grad_averager_factory; extra_tensors and load_state_compression are ignored with a warning.
+Supported hivemind arguments: all but ``delay_grad_averaging`` and ``grad_averager_factory``
+(refused with ConfigError) and ``load_state_compression`` (refused unless None/NoCompression:
+the state is verified by its digest); ``extra_tensors`` is ignored with a warning.
 """
 
 from __future__ import annotations
 
-import asyncio
+import concurrent.futures
 import logging
 import math
 import time
@@ -43,20 +46,32 @@ from typing import Any
 
 import torch
 
-from kit.averaging.averager import DecentralizedAverager
+from kit.averaging.averager import DecentralizedAverager, RoundResult
 from kit.averaging.compression import CompressionBase, NoCompression
-from kit.errors import ConfigError, KitError, KitTimeout, StateDownloadFailed, TransientError
+from kit.averaging.matchmaking import Phase
+from kit.errors import (
+    ConfigError,
+    KitError,
+    KitTimeout,
+    KitUsageError,
+    TransientError,
+)
+from kit.optim.arguments import resolve_defaults, validate
 from kit.optim.progress import GlobalProgress, ProgressTracker
-from kit.optim.state import StateServer, StateSnapshot, download_state, find_donors
+from kit.optim.sharing import StateSharing
+from kit.optim.state import StateServer, StateSnapshot
+from kit.optim.state_averaging import DelayedStateAveraging, state_averaging_needed
+from kit.optim.stepping import InnerOptimizer
 from kit.runtime import get_runtime
 
 logger = logging.getLogger(__name__)
 
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+MAX_FAST_FORWARD = 16  # further behind than this many epochs, a peer downloads the state first
 
 
-class Optimizer(torch.optim.Optimizer):
+class Optimizer(StateSharing, torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` that trains together with every peer of ``run_id``.
 
     Args:
@@ -75,15 +90,29 @@ class Optimizer(torch.optim.Optimizer):
         averaging_timeout: the longest an averaging round may take (about 2x a normal round);
             increase it if rounds on slow links time out.
         load_state_timeout: the longest a state download from peers may take.
-        average_state_every: average parameters every this many epochs (0: never).
+        reuse_grad_buffers: accumulate in the parameters' ``.grad`` instead of a separate buffer
+            (saves one copy of the model). Never call ``zero_grad`` then: kit clears ``.grad``
+            after each global step. Each micro-batch weighs the same (keep their sizes equal).
+        offload_optimizer: the inner optimizer works on float32 CPU copies of the parameters
+            (its statistics stay off the GPU); needs the factory form of ``optimizer``.
+        delay_optimizer_step: the inner optimizer steps in a background thread while the next
+            batch computes; the parameters change at the next ``step()`` call (so gradients of
+            the batch in between are one step stale, as in hivemind). Needs the factory form.
+        delay_state_averaging: parameter-averaging rounds run in the background and are applied
+            as a delta when done (False: wait for them).
+        average_state_every: parameters may be averaged every this many epochs (0: never); with
+            exact gradient rounds only when some peer drifted (see ``kit.optim.state_averaging``).
         use_local_updates: step the inner optimizer after each local step and average
             parameters once per epoch (local SGD) instead of averaging gradients.
         client_mode: True for peers that cannot accept connections (None: as the DHT's peer).
         auxiliary: a helper without gradients (CPU is enough): it only joins averaging rounds.
         grad_compression, state_averaging_compression: codecs (kit.averaging) on the wire.
-        average_opt_statistics: names of optimizer state entries averaged with the parameters.
+        average_opt_statistics: accepted for hivemind's scripts; not averaged yet.
         averager_opts, tracker_opts: extra keyword arguments of the averagers and the tracker.
         verbose: log every epoch at INFO level.
+
+    Raises:
+        ConfigError: an unsupported argument or combination (with what to do instead).
     """
 
     def __init__(
@@ -122,44 +151,65 @@ class Optimizer(torch.optim.Optimizer):
         shutdown_timeout: float = 5.0,
         verbose: bool = False,
     ) -> None:
-        _validate(locals())
-        if extra_tensors or load_state_compression is not None:
-            logger.warning(
-                "kit.Optimizer ignores extra_tensors and load_state_compression (not supported yet)"
-            )
+        validate(locals())
+        delay_step, offload = resolve_defaults(locals())
+        if extra_tensors:
+            logger.warning("kit.Optimizer ignores extra_tensors (not supported yet)")
         self.dht = dht
         self.run_id = run_id
         self.target_batch_size = target_batch_size
         self.batch_size_per_step = batch_size_per_step
         self.use_local_updates = use_local_updates
         self.auxiliary = auxiliary
+        self.reuse_grad_buffers = reuse_grad_buffers
+        self.delay_optimizer_step = delay_step
+        self.delay_state_averaging = delay_state_averaging
         self.average_state_every = average_state_every
         self.average_opt_statistics = tuple(average_opt_statistics)
         self.load_state_timeout = load_state_timeout
         self.averaging_timeout = averaging_timeout or 60.0
         self.matchmaking_time = matchmaking_time or 15.0
         self.verbose = verbose
-        self.opt = (
-            optimizer(params)
-            if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer)
-            else optimizer
+        # Exact codec: averaged gradients are bit-identical on every member (state_averaging.py).
+        self._exact_gradients = grad_compression is None or isinstance(
+            grad_compression, NoCompression
         )
+        self._inner = InnerOptimizer(optimizer, params, copies=offload, delay=delay_step)
+        self.opt = self._inner.opt
+        self._params = self._inner.params
         self.scheduler = (
             scheduler(self.opt)
             if callable(scheduler) and not hasattr(scheduler, "step")
             else scheduler
         )
-        self._params = [p for group in self.opt.param_groups for p in group["params"]]
         # torch.optim.Optimizer bookkeeping: share the inner optimizer's groups and state.
         self.defaults = self.opt.defaults
         self._optimizer_step_pre_hooks = {}  # type: ignore[var-annotated]
         self._optimizer_step_post_hooks = {}  # type: ignore[var-annotated]
         self.local_epoch = 0
+        self._in_step = False  # it has loaded a state or taken a global step with the others
+        self._last_group_size = 0  # of the last gradient round (0: none, or it failed)
+        self._catch_up_base: list[torch.Tensor] = []  # our parameters when a catch-up began
+        self._catch_up_epoch = 0  # and our epoch then
+        self._catch_up_tries = 0  # downloads since we fell behind
         self._local_samples = 0
-        self._accumulators = [torch.zeros_like(p, dtype=torch.float32) for p in self._params]
+        self._local_steps = 0  # micro-steps accumulated in .grad (reuse_grad_buffers)
+        self._grad_scale = 1.0  # the scale of what .grad holds (reuse_grad_buffers with AMP)
+        # A fresh peer's parameters match nobody's (random init, or a checkpoint): drifted until
+        # a state download or a complete parameter round says otherwise.
+        self._drifted = True
+        self._accumulators = (
+            []
+            if reuse_grad_buffers or use_local_updates or auxiliary
+            else [torch.zeros_like(p, dtype=torch.float32) for p in self._params]
+        )
         self._grad_buffers = [torch.zeros(p.shape, dtype=torch.float32) for p in self._params]
         self._state_buffers = [torch.zeros(p.shape, dtype=torch.float32) for p in self._params]
+        self._catch_up: concurrent.futures.Future[StateSnapshot | None] | None = None
         self._runtime = get_runtime()
+        # A late joiner will need the collaboration's state: fetch it while the rest is set up
+        # (load_state_from_peers, or the first step, takes it if it is still current).
+        prefetch = None if auxiliary else self._download(load_state_timeout, only_if_running=True)
         client = dht.client_mode if client_mode is None else client_mode
         averaging = dict(
             min_matchmaking_time=self.matchmaking_time,
@@ -184,6 +234,7 @@ class Optimizer(torch.optim.Optimizer):
             compression=state_averaging_compression or NoCompression(),
             **averaging,
         )
+        self._state_round = DelayedStateAveraging(self.state_averager, self._inner.add)
         identity = dht.node.peer.identity
 
         async def start(_: Any, node: Any) -> tuple[ProgressTracker, StateServer]:
@@ -201,6 +252,8 @@ class Optimizer(torch.optim.Optimizer):
             return tracker, StateServer(node.peer, node, run_id, identity)
 
         self.tracker, self._state_server = dht.run_coroutine(start)
+        self._prefetch = prefetch
+        self.tracker.set_drifted(self._drifted)
         self._publish_state()
 
     # The inner optimizer's groups and state, always its current objects (its load_state_dict
@@ -244,7 +297,8 @@ class Optimizer(torch.optim.Optimizer):
             batch_size: samples in this step (default: ``batch_size_per_step``); 0 only checks
                 whether the collaboration is ready.
             grad_scaler: a ``torch.amp.GradScaler`` whose scale is in the gradients; the
-                gradients are unscaled before accumulation and inf/NaN steps are skipped.
+                gradients are unscaled before accumulation, and a step with inf/NaN gradients
+                is skipped and halves the scale.
         """
         loss = None
         if closure is not None:
@@ -259,12 +313,19 @@ class Optimizer(torch.optim.Optimizer):
                     "step() needs batch_size - help: pass it, or batch_size_per_step= when creating the Optimizer"
                 )
             batch_size = self.batch_size_per_step
-        if self.local_epoch < self.tracker.global_progress.epoch:
-            # The others stepped without us (we were late, or joined mid-step): our parameters
-            # and accumulated gradients belong to an epoch that is over. Averaging them into the
-            # next round would mix epochs, so catch up by downloading the current state.
-            self.load_state_from_peers()
+        self._apply_background_work()
+        global_epoch = self.tracker.global_progress.epoch
+        behind = global_epoch - self.local_epoch
+        if behind > 0 and (not self._in_step or behind > MAX_FAST_FORWARD):
+            self.load_state_from_peers()  # a fresh peer, or too far behind: catch up first
             return loss
+        if behind > 0:
+            # The others stepped without us (our round failed, or the state we downloaded was
+            # overtaken while it travelled: epochs can be shorter than a download): what we
+            # accumulated belongs to a batch already applied, so drop it and count our next
+            # samples toward the current epoch at once; the current state comes in the
+            # background (applied at a safe point as a delta), drift is flagged meanwhile.
+            self._fast_forward(global_epoch)
         if batch_size > 0 and self._accumulate(batch_size, grad_scaler):
             self._local_samples += batch_size
         self.tracker.report_local_progress(self.local_epoch, self._local_samples)
@@ -273,91 +334,130 @@ class Optimizer(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.opt.zero_grad(set_to_none=set_to_none)
-
-    def load_state_from_peers(self, timeout: float | None = None) -> None:
-        """Download parameters, optimizer and scheduler state and epoch from up-to-date peers.
-
-        Raises:
-            StateDownloadFailed: nobody could provide a verified state within the timeout.
-        """
-        timeout = timeout or self.load_state_timeout
-
-        async def fetch(_: Any, node: Any) -> StateSnapshot:
-            # Donors move on to the next epoch now and then; a download that straddles that
-            # moment fails its digest and starts over with the new state, until the deadline.
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + timeout
-            while True:
-                donors = await find_donors(node, node.peer, self.run_id)
-                try:
-                    return await download_state(
-                        node.peer, donors, self.run_id, timeout=deadline - loop.time()
-                    )
-                except StateDownloadFailed as e:
-                    if loop.time() + 1.0 > deadline:
-                        raise
-                    logger.info("state download failed (%s); trying again", e)
-                    await asyncio.sleep(0.5)
-
-        started = time.perf_counter()
-        snapshot: StateSnapshot = self.dht.run_coroutine(fetch)
-        self._load_snapshot(snapshot)
-        logger.info(
-            "downloaded the state of epoch %d from peers in %.1f s",
-            self.local_epoch,
-            time.perf_counter() - started,
-        )
+        if self.reuse_grad_buffers:
+            raise KitUsageError(
+                "with reuse_grad_buffers=True the gradients accumulate in .grad until the global "
+                "step, and kit clears them itself - help: remove the zero_grad() call"
+            )
+        for param in self._params:
+            if param.grad is not None:
+                if set_to_none:
+                    param.grad = None
+                else:
+                    param.grad.detach_().zero_()
 
     def state_dict(self) -> dict[str, Any]:
+        self._finish_optimizer_step(wait=None)
         state = self.opt.state_dict()
         state["kit_local_epoch"] = self.local_epoch
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._finish_optimizer_step(wait=None)
         state_dict = dict(state_dict)
         self.local_epoch = int(state_dict.pop("kit_local_epoch", self.local_epoch))
         self.opt.load_state_dict(state_dict)
+        self._set_drifted(True)  # a checkpoint need not match the collaboration
 
     def shutdown(self) -> None:
-        self.grad_averager.shutdown()
-        self.state_averager.shutdown()
+        try:
+            self._finish_optimizer_step(wait=None)
+        finally:
+            self._inner.shutdown()
+            self._cancel_catch_up()
+            if self._prefetch is not None:
+                self._prefetch.cancel()
+            self.grad_averager.shutdown()
+            self.state_averager.shutdown()
 
-        async def stop(_: Any, node: Any) -> None:
-            await self.tracker.shutdown()
+            async def stop(_: Any, node: Any) -> None:
+                await self.tracker.shutdown()
 
-        if self.dht.is_alive():
-            self.dht.run_coroutine(stop)
+            if self.dht.is_alive():
+                self.dht.run_coroutine(stop)
 
-    # --- internals ------------------------------------------------------------------------
+    # --- accumulation -----------------------------------------------------------------------
 
     def _accumulate(self, batch_size: int, grad_scaler: Any) -> bool:
-        scale = 1.0
-        if grad_scaler is not None:
-            scale = float(grad_scaler.get_scale())
+        scale = 1.0 if grad_scaler is None else float(grad_scaler.get_scale())
         grads = [p.grad for p in self._params]
         finite = all(g is None or bool(torch.isfinite(g).all()) for g in grads)
         if not finite:
             logger.warning("skipping a step with non-finite gradients (it is not sent to peers)")
             if grad_scaler is not None:
                 grad_scaler.update(scale / 2)
+            if self.reuse_grad_buffers:  # the bad gradient is mixed into .grad: start over
+                logger.warning(
+                    "reuse_grad_buffers: the %d samples accumulated so far are dropped",
+                    self._local_samples,
+                )
+                self._clear_grads()
+                self._local_samples = self._local_steps = 0
             return False
-        for accumulator, grad in zip(self._accumulators, grads, strict=True):
-            if grad is not None:
-                accumulator.add_(grad.detach().float(), alpha=batch_size / scale)
-        if self.use_local_updates:
+        if self.reuse_grad_buffers:
+            self._local_steps += 1
+            self._grad_scale = scale
+        elif self.use_local_updates:
             self.opt.step()
+        else:
+            for accumulator, grad in zip(self._accumulators, grads, strict=True):
+                if grad is not None:
+                    accumulator.add_(grad.detach().float(), alpha=batch_size / scale)
         return True
+
+    def _local_gradient(self, buffers: list[torch.Tensor]) -> None:
+        """This peer's mean gradient over its samples of the epoch, into the averager's buffers."""
+        if self.reuse_grad_buffers:
+            for buffer, param in zip(buffers, self._params, strict=True):
+                if param.grad is None:
+                    buffer.zero_()
+                else:
+                    scale = 1.0 / (max(1, self._local_steps) * self._grad_scale)
+                    buffer.copy_(param.grad.detach().float().cpu() * scale)
+        else:
+            for buffer, accumulator in zip(buffers, self._accumulators, strict=True):
+                buffer.copy_(accumulator.cpu() / self._local_samples)
+
+    def _clear_grads(self) -> None:
+        for param in self._params:
+            if param.grad is None:
+                continue
+            if self.reuse_grad_buffers:
+                param.grad.detach_().zero_()  # keep the buffer: that is the point of reusing it
+            else:
+                param.grad = None
+
+    # --- the global step ----------------------------------------------------------------------
 
     def _global_step(self) -> None:
         epoch = self.local_epoch
+        self._finish_optimizer_step(wait=None)  # one optimizer step in flight at a time
+        if self._prefetch is not None:  # in step with the others: the prefetched state is moot
+            self._prefetch.cancel()
+            self._prefetch = None
+        stepped = False
+        global_epoch = self.tracker.global_progress.epoch
+        if global_epoch > epoch and self._in_step:
+            # The others already took this step without us (our view of their progress lagged):
+            # a round tagged with our epoch would find nobody. Join the current epoch instead.
+            self._fast_forward(global_epoch)
+            return
         if self.use_local_updates:
-            self._average_state()
+            pass  # parameters are averaged by the state round below
         elif self._local_samples > 0:
             with self.grad_averager.get_tensors() as buffers:
-                for buffer, accumulator in zip(buffers, self._accumulators, strict=True):
-                    buffer.copy_(accumulator.cpu() / self._local_samples)
-            result = self._average(self.grad_averager, self._local_samples)
+                self._local_gradient(buffers)
+            result, expected = self._average(self.grad_averager, self._local_samples)
+            global_epoch = self.tracker.global_progress.epoch
+            if result is None and global_epoch > epoch and self._in_step:
+                self._fast_forward(global_epoch)  # our samples came too late for that step
+                return
+            exact = (
+                result is not None
+                and result.is_full
+                and self._exact_gradients
+                and len(result) >= expected
+            )
             if result is None:
                 logger.warning(
                     "averaging failed at epoch %d: proceeding with the local gradients", epoch
@@ -368,70 +468,134 @@ class Optimizer(torch.optim.Optimizer):
                     epoch,
                     result.unaveraged_parts,
                 )
+            if not exact:
+                self._set_drifted(True)
+            self._last_group_size = len(result) if result is not None else 0
             with self.grad_averager.get_tensors() as buffers:
-                for param, buffer in zip(self._params, buffers, strict=True):
-                    param.grad = buffer.to(device=param.device, dtype=param.dtype).clone()
-            self.opt.step()
-            for param in self._params:
-                param.grad = (
-                    None  # consumed: the next backward must not add to the averaged gradient
-                )
+                self._inner.set_gradients(buffers, reuse_grad_buffers=self.reuse_grad_buffers)
+            stepped = True
         else:
             logger.info("no samples at epoch %d: waiting for the state of the next epoch", epoch)
-        if self.scheduler is not None:
-            self.scheduler.step()
+            self._set_drifted(True)  # the others step without us
         self.local_epoch = epoch + 1
-        self._local_samples = 0
+        self._in_step = True
+        self._local_samples = self._local_steps = 0
         for accumulator in self._accumulators:
             accumulator.zero_()
-        if (
-            not self.use_local_updates
-            and self.average_state_every
-            and self.local_epoch % self.average_state_every == 0
-        ):
-            self._average_state()
         self.tracker.report_local_progress(self.local_epoch, 0)
-        self._publish_state()
+        self._inner.step(stepped, self.scheduler, reuse_grad_buffers=self.reuse_grad_buffers)
+        if not self._inner.pending:
+            self._after_update()
         if self.verbose:
             logger.info(
                 "epoch %d done (%d peers)", self.local_epoch, self.tracker.global_progress.num_peers
             )
 
-    def _average(self, averager: DecentralizedAverager, weight: float) -> Any:
-        result = self._average_once(averager, weight)
+    def _finish_optimizer_step(self, wait: float | None) -> None:
+        """Apply a delayed optimizer step if it is over (``wait``: as ``InnerOptimizer.finish``)."""
+        if self._inner.finish(wait):
+            self._after_update()
+
+    def _after_update(self) -> None:
+        """At a safe point after an optimizer step: copy it to the model, share it, average it."""
+        self._publish_state()
+        needed = state_averaging_needed(
+            self.local_epoch,
+            self.average_state_every,
+            local_updates=self.use_local_updates,
+            drifted=self._drifted,
+            others_drifted=self.tracker.others_drifted(self.local_epoch),
+        )
+        if not needed:
+            return
+        if self._state_round.running:
+            logger.debug(
+                "the previous parameter round still runs: skipping epoch %d's", self.local_epoch
+            )
+            return
+        # The group of the gradient round we just took part in is who will be here; the tracker
+        # may still see some of them at the previous epoch for a moment.
+        expected = self._last_group_size or self.tracker.peers_at_epoch(self.local_epoch)
+        self._state_round.start(
+            self._params,
+            _group_bits(self.local_epoch),
+            expected,
+            timeout=2 * self.matchmaking_time + 1.0,
+        )
+        if not self.delay_state_averaging:
+            self._finish_state_round(wait=None)
+
+    def _finish_state_round(self, wait: float | None) -> None:
+        if not self._state_round.running or self._inner.pending:
+            return  # never move the parameters under a running optimizer step
+        over, result = self._state_round.finish(wait)
+        if not over:
+            return
         if result is not None:
             logger.debug(
-                "%s: averaged with %d peers (full: %s)",
+                "parameters averaged with %d peers (full: %s)", len(result), result.is_full
+            )
+            if self._state_round.complete(result) and not self.use_local_updates:
+                self._set_drifted(False)
+            self._publish_state()
+
+    def _apply_background_work(self) -> None:
+        """The safe point: apply whatever finished in the background (never blocks)."""
+        self._finish_optimizer_step(wait=0.0)
+        self._finish_state_round(wait=0.0)
+        self._apply_catch_up()
+
+    def _set_drifted(self, drifted: bool) -> None:
+        self._drifted = drifted
+        self.tracker.set_drifted(drifted)
+
+    # --- rounds ---------------------------------------------------------------------------------
+
+    def _average(
+        self, averager: DecentralizedAverager, weight: float
+    ) -> tuple[RoundResult | None, int]:
+        """One round tagged with our epoch; returns the result and how many peers we expected."""
+        # Tag the round with our epoch (hivemind's group bits): peers at different epochs never
+        # average together, so a late peer cannot mix its stale gradients into the next step.
+        averager.set_group_bits(_group_bits(self.local_epoch))
+        # Everyone the tracker sees at our epoch (auxiliary peers included): begin when they are in.
+        expected = self.tracker.peers_at_epoch(self.local_epoch, with_samples=True)
+        if expected < 2:
+            # Only we reported samples: the others' reports have not reached us yet (the peers
+            # of our last round are surely coming: their records may still show the previous
+            # epoch), or nobody else is there at all.
+            expected = max(self.tracker.peers_at_epoch(self.local_epoch), self._last_group_size)
+        averager.set_target_group_size(expected if expected >= 2 else None)
+        # The timeout bounds the search for a group; the all-reduce has its own (allreduce_timeout).
+        search = 2 * self.matchmaking_time + 1.0
+        future = averager.step(weight=weight, timeout=search, wait=False)
+        assert isinstance(future, concurrent.futures.Future)
+        give_up = time.monotonic() + search + self.averaging_timeout + 30.0
+        while True:
+            try:
+                result = future.result(timeout=0.05)
+                break
+            except concurrent.futures.TimeoutError:
+                # Still looking while the others already finished this epoch's round (we were
+                # not in their view in time): nobody will come, stop now rather than time out.
+                moved_on = self.tracker.global_progress.epoch > self.local_epoch
+                if (moved_on and _searching(averager)) or time.monotonic() > give_up:
+                    future.cancel()
+                    logger.info("the others finished epoch %d's round without us", self.local_epoch)
+                    return None, expected
+            except (TransientError, KitTimeout, KitError, concurrent.futures.CancelledError) as e:
+                logger.warning("averaging round failed: %s", e)
+                return None, expected
+        if result is not None:
+            logger.debug(
+                "%s: averaged with %d peers (full: %s) in %.2f + %.2f s",
                 averager.settings.prefix,
                 len(result),
                 result.is_full,
+                result.matchmaking_time,
+                result.allreduce_time,
             )
-        return result
-
-    def _average_once(self, averager: DecentralizedAverager, weight: float) -> Any:
-        # Tag the round with our epoch (hivemind's group bits): peers at different epochs never
-        # average together, so a late peer cannot mix its stale gradients into the next step.
-        averager.set_group_bits(format(self.local_epoch % 2**20, "020b"))
-        # Everyone the tracker sees at our epoch (auxiliary peers included): begin when they are in.
-        expected = self.tracker.peers_at_epoch(self.local_epoch)
-        averager.set_target_group_size(expected if expected >= 2 else None)
-        try:
-            # The timeout bounds the search for a group; the all-reduce has its own (allreduce_timeout).
-            return averager.step(weight=weight, timeout=2 * self.matchmaking_time + 1.0)
-        except (TransientError, KitTimeout, KitError) as e:
-            logger.warning("averaging round failed: %s", e)
-            return None
-
-    def _average_state(self) -> None:
-        with self.state_averager.get_tensors() as buffers:
-            for buffer, param in zip(buffers, self._params, strict=True):
-                buffer.copy_(param.detach().float().cpu())
-        result = self._average(self.state_averager, 1.0)
-        if result is None:
-            return
-        with self.state_averager.get_tensors() as buffers, torch.no_grad():
-            for buffer, param in zip(buffers, self._params, strict=True):
-                param.copy_(buffer.to(device=param.device, dtype=param.dtype))
+        return result, expected
 
     def _auxiliary_step(self) -> None:
         """Auxiliary peers bring no gradients: they join the rounds when the others are ready."""
@@ -449,92 +613,13 @@ class Optimizer(torch.optim.Optimizer):
                 else 0.5
             )
 
-    def _full_state(self) -> dict[str, Any]:
-        return {
-            "epoch": self.local_epoch,
-            "params": [p.detach() for p in self._params],
-            "optimizer": self.opt.state_dict(),
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-        }
 
-    def _publish_state(self) -> None:
-        if self.auxiliary:
-            return
-        try:
-            snapshot = StateSnapshot.capture(self.local_epoch, self._full_state())
-        except KitError as e:
-            logger.warning("cannot share the training state: %s", e)
-            return
-
-        async def publish(_: Any, node: Any) -> None:
-            await self._state_server.publish(snapshot)
-
-        self.dht.run_coroutine(publish, return_future=True)
-
-    def _load_snapshot(self, snapshot: StateSnapshot) -> None:
-        state = snapshot.state()
-        params = state.get("params") if isinstance(state, dict) else None
-        if not isinstance(params, list) or len(params) != len(self._params):
-            raise StateDownloadFailed(
-                "the peers' state has another number of parameters - help: check the model config"
-            )
-        for mine, theirs in zip(self._params, params, strict=True):
-            if tuple(mine.shape) != tuple(theirs.shape):
-                raise StateDownloadFailed(
-                    f"parameter shape {tuple(theirs.shape)} from peers, {tuple(mine.shape)} here"
-                )
-        with torch.no_grad():
-            for mine, theirs in zip(self._params, params, strict=True):
-                mine.copy_(theirs.to(device=mine.device, dtype=mine.dtype))
-        self.opt.load_state_dict(state["optimizer"])
-        if self.scheduler is not None and state.get("scheduler") is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        self.local_epoch = snapshot.epoch
-        self._local_samples = 0
-        for accumulator in self._accumulators:
-            accumulator.zero_()
-        self.tracker.report_local_progress(self.local_epoch, 0)
-        self._publish_state()
+def _group_bits(epoch: int) -> str:
+    return format(epoch % 2**20, "020b")
 
 
-def _validate(arguments: dict[str, Any]) -> None:
-    """Refuse argument combinations that cannot work, at construction (hivemind hangs on some: #443)."""
-    unsupported = {
-        "delay_optimizer_step": arguments["delay_optimizer_step"],
-        "delay_grad_averaging": arguments["delay_grad_averaging"],
-        "offload_optimizer": arguments["offload_optimizer"],
-        "reuse_grad_buffers": arguments["reuse_grad_buffers"],
-        "grad_averager_factory": arguments["grad_averager_factory"] is not None,
-    }
-    for name, value in unsupported.items():
-        if value:
-            raise ConfigError(
-                f"{name} is not supported by kit.Optimizer yet - help: leave it at its default"
-            )
-    if not isinstance(arguments["target_batch_size"], int) or arguments["target_batch_size"] <= 0:
-        raise ConfigError("target_batch_size must be a positive integer - help: e.g. 4096")
-    if arguments["client_mode"] and arguments["auxiliary"]:
-        raise ConfigError(
-            "an auxiliary peer aggregates for others, so it cannot be in client mode - help: drop one"
-        )
-    if arguments["auxiliary"] and arguments["batch_size_per_step"] is not None:
-        raise ConfigError("auxiliary peers bring no samples - help: leave batch_size_per_step=None")
-    optimizer = arguments["optimizer"]
-    if isinstance(optimizer, torch.optim.Optimizer):
-        if arguments["params"] is not None:
-            raise ConfigError(
-                "params= goes with an optimizer factory - help: pass optimizer=lambda p: Opt(p)"
-            )
-    elif callable(optimizer):
-        if arguments["params"] is None:
-            raise ConfigError(
-                "an optimizer factory needs params= - help: params=model.parameters()"
-            )
-    else:
-        raise ConfigError("optimizer must be a torch optimizer or a factory of one")
-    if arguments["average_state_every"] < 0 or arguments["load_state_timeout"] <= 0:
-        raise ConfigError("average_state_every must be >= 0 and load_state_timeout > 0")
-    if not isinstance(arguments["run_id"], str) or not arguments["run_id"]:
-        raise ConfigError(
-            "run_id must be a non-empty string - help: the run's name, e.g. 'sahajbert'"
-        )
+def _searching(averager: DecentralizedAverager) -> bool:
+    """The averager is still looking for a group (cancelling it then breaks nobody's round)."""
+    # kit.averaging has no public flag for it yet: read the matchmaking phase.
+    phase = averager._require().matchmaking.phase
+    return phase in (Phase.LOOKING, Phase.JOINING, Phase.LEADING)

@@ -17,6 +17,7 @@ is a fraction of the ETA, clipped to ``[min_refresh_period, max_refresh_period]`
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ class LocalProgress:
     time: float
     client_mode: bool
     auxiliary: bool = False
+    drifted: bool = False  # its parameters may differ from the others': it asks for state averaging
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -50,6 +52,7 @@ class LocalProgress:
             "time": self.time,
             "client_mode": self.client_mode,
             "auxiliary": self.auxiliary,
+            "drifted": self.drifted,
         }
 
     @classmethod
@@ -64,6 +67,7 @@ class LocalProgress:
                 time=float(body["time"]),
                 client_mode=bool(body["client_mode"]),
                 auxiliary=bool(body.get("auxiliary", False)),
+                drifted=bool(body.get("drifted", False)),
             )
         except (KeyError, TypeError, ValueError):
             logger.debug("ignoring a malformed progress record: %.200r", body)
@@ -178,6 +182,7 @@ class ProgressTracker:
         node.add_validators([self._validator])
         self._subkey = self._validator.local_owner
         self._peer_id = node.peer_id.to_bytes()
+        self.drifted = False
         self.local = LocalProgress(self._peer_id, 0, 0, 0.0, get_dht_time(), client_mode, auxiliary)
         self._others: list[LocalProgress] = []  # other peers' records, as last fetched
         self._last_report_time: float | None = None
@@ -207,9 +212,27 @@ class ProgressTracker:
                 rate = instant if rate == 0 else (1 - alpha) * rate + alpha * instant
         self._last_report_time = now
         self.local = LocalProgress(
-            self._peer_id, epoch, samples_accumulated, rate, now, self.client_mode, self.auxiliary
+            self._peer_id,
+            epoch,
+            samples_accumulated,
+            rate,
+            now,
+            self.client_mode,
+            self.auxiliary,
+            self.drifted,
         )
         self._wake.set()
+
+    def set_drifted(self, drifted: bool) -> None:
+        """Tell the others whether this peer's parameters may differ from theirs (published now)."""
+        if drifted != self.drifted:
+            self.drifted = drifted
+            self.local = dataclasses.replace(self.local, drifted=drifted)
+            self._wake.set()
+
+    def others_drifted(self, epoch: int) -> bool:
+        """Some other peer at ``epoch`` or one behind reports drifted parameters."""
+        return any(r.drifted and r.epoch >= epoch - 1 for r in self._others)
 
     @property
     def global_progress(self) -> GlobalProgress:
@@ -222,10 +245,20 @@ class ProgressTracker:
             max_refresh_period=self.max_refresh_period,
         )
 
-    def peers_at_epoch(self, epoch: int) -> int:
-        """Peers (this one included) whose last record is at ``epoch`` or, for auxiliary peers, any."""
-        others = sum(1 for r in self._others if r.epoch == epoch or r.auxiliary)
-        return others + (1 if self.local.epoch == epoch else 0)
+    def peers_at_epoch(self, epoch: int, *, with_samples: bool = False) -> int:
+        """Peers (this one included) whose last record is at ``epoch`` or, for auxiliary peers, any.
+
+        ``with_samples``: only those that reported samples at ``epoch`` (and auxiliary peers):
+        the ones that will join its gradient round. A peer that just downloaded the state has
+        none yet; waiting for it would cost a whole matchmaking_time.
+        """
+
+        def counts(record: LocalProgress) -> bool:
+            if record.auxiliary:
+                return True
+            return record.epoch == epoch and (record.samples_accumulated > 0 or not with_samples)
+
+        return sum(1 for r in self._others if counts(r)) + (1 if counts(self.local) else 0)
 
     @property
     def ready_to_update_epoch(self) -> bool:

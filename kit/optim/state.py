@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +36,6 @@ from kit.errors import (
     InvalidTensor,
     KitError,
     KitTimeout,
-    PeerError,
     RemoteProtocolError,
     StateDownloadFailed,
 )
@@ -47,6 +47,11 @@ logger = logging.getLogger(__name__)
 
 MAX_META_BYTES = 16 * 1024**2
 MAX_DONORS = 3
+META_TIMEOUT = (
+    5.0  # a donor must send the state's metadata within this (else the next one is asked)
+)
+META_GRACE = 0.3  # after the first donor answered, wait this long for others to compare digests
+_DIGEST_LOCK = threading.Lock()
 _TORCH_DTYPES = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
@@ -130,12 +135,24 @@ class StateSnapshot:
     digest: str = ""
 
     @classmethod
-    def capture(cls, epoch: int, state: dict[str, Any]) -> StateSnapshot:
+    def capture(cls, epoch: int, state: dict[str, Any], *, digest: bool = True) -> StateSnapshot:
+        """Copy ``state`` (tensors cloned). ``digest=False`` leaves the SHA-256 to the first
+        ``ensure_digest`` call: a training peer snapshots after every global step, and hashing
+        the whole state each time would cost it ~0.1 s per 5M parameters that no joiner may need.
+        """
         tensors: list[torch.Tensor] = []
         structure = _flatten(state, tensors)
         snapshot = cls(epoch, structure, tensors)
-        snapshot.digest = snapshot.compute_digest()
+        if digest:
+            snapshot.digest = snapshot.compute_digest()
         return snapshot
+
+    def ensure_digest(self) -> str:
+        """The digest, computed now if ``capture`` left it out (thread-safe: it runs off the loop)."""
+        with _DIGEST_LOCK:
+            if not self.digest:
+                self.digest = self.compute_digest()
+        return self.digest
 
     def headers(self) -> list[TensorHeader]:
         return [tensor_header(t) for t in self.tensors]
@@ -196,6 +213,9 @@ class StateServer:
 
     async def _serve(self, stream: StreamAPI) -> None:
         snapshot = self.snapshot
+        if snapshot is not None and not snapshot.digest:
+            # hashlib releases the GIL: hashing in a thread keeps the event loop (and training) going
+            await asyncio.get_running_loop().run_in_executor(None, snapshot.ensure_digest)
         while (raw := await stream.receive_message(max_size=1024 * 1024, timeout=30.0)) is not None:
             request = msgpack.unpackb(raw, raw=False)
             if snapshot is None:
@@ -263,17 +283,14 @@ async def download_state(
     deadline = loop.time() + timeout
     protocol = f"kit/{prefix}/state/1"
     limits = limits or TensorLimits()
-    candidates = [d for d in donors if d.epoch == donors[0].epoch] if donors else []
     metas: dict[PeerID, dict[str, Any]] = {}
-    for candidate in candidates[: MAX_DONORS * 2]:
-        if len(metas) >= MAX_DONORS:
+    for epoch in sorted({d.epoch for d in donors}, reverse=True):
+        # The newest state first; if all its donors are gone (their records outlive them for a
+        # while), the next newest rather than nothing.
+        candidates = [d for d in donors if d.epoch == epoch]
+        metas = await _fetch_metas(peer, candidates[: MAX_DONORS * 2], protocol, loop, deadline)
+        if metas or _left(loop, deadline) <= 0:
             break
-        try:
-            metas[candidate.peer_id] = await _fetch_meta(
-                peer, candidate.peer_id, protocol, min(10.0, _left(loop, deadline))
-            )
-        except (PeerError, KitTimeout, KitError, ValueError) as e:
-            logger.info("state donor %s unavailable: %s", candidate.peer_id.short(), e)
     if not metas:
         raise StateDownloadFailed(
             "no peer could share its state - help: check that other peers are running"
@@ -362,6 +379,44 @@ async def _download_tensors(
 
 def _left(loop: asyncio.AbstractEventLoop, deadline: float) -> float:
     return deadline - loop.time()
+
+
+async def _fetch_metas(
+    peer: PeerAPI,
+    candidates: Sequence[Donor],
+    protocol: str,
+    loop: asyncio.AbstractEventLoop,
+    deadline: float,
+) -> dict[PeerID, dict[str, Any]]:
+    """Ask every candidate at once; keep up to MAX_DONORS answers. A dead donor (its record
+    outlives it for up to a minute) costs nothing once a live one answered, instead of a timeout
+    per dead donor in turn."""
+    timeout = max(0.1, min(META_TIMEOUT, _left(loop, deadline)))
+    jobs = {
+        asyncio.ensure_future(_fetch_meta(peer, c.peer_id, protocol, timeout)): c.peer_id
+        for c in candidates
+    }
+    metas: dict[PeerID, dict[str, Any]] = {}
+    give_up = loop.time() + timeout
+    try:
+        pending = set(jobs)
+        while pending and len(metas) < MAX_DONORS and loop.time() < give_up:
+            done, pending = await asyncio.wait(
+                pending, timeout=give_up - loop.time(), return_when=asyncio.FIRST_COMPLETED
+            )
+            for job in done:
+                error = job.exception()
+                if error is None:
+                    metas[jobs[job]] = job.result()
+                else:
+                    logger.info("state donor %s unavailable: %s", jobs[job].short(), error)
+            if metas:
+                give_up = min(give_up, loop.time() + META_GRACE)
+    finally:
+        for job in jobs:
+            job.cancel()
+        await asyncio.gather(*jobs, return_exceptions=True)
+    return metas
 
 
 async def _fetch_meta(

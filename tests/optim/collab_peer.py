@@ -35,6 +35,10 @@ def main() -> int:
     parser.add_argument(
         "--exact", action="store_true", help="exactly one shard per epoch, then wait"
     )
+    parser.add_argument("--step-delay", type=float, default=0.0, help="sleep after each step")
+    parser.add_argument(
+        "--linger-file", default="", help="when done, keep serving the state until it exists"
+    )
     args = parser.parse_args()
     faulthandler.dump_traceback_later(
         float(os.environ.get("KIT_TEST_DUMP_AFTER", "600")), exit=True
@@ -60,8 +64,10 @@ def main() -> int:
         average_state_every=args.average_state_every,
         tracker_opts={"min_refresh_period": 0.2, "max_refresh_period": 1.0},
     )
+    loaded_epoch = None
     if args.load_state:
         opt.load_state_from_peers(timeout=60)
+        loaded_epoch = opt.local_epoch
     deadline = time.monotonic() + 150
     epochs_seen = []
     progress_file = Path(args.out + ".epoch")
@@ -77,6 +83,7 @@ def main() -> int:
             opt.step(batch_size=len(inputs))
             opt.zero_grad()
             step += 1
+            time.sleep(args.step_delay)
             if opt.local_epoch != epoch:
                 break
         while args.exact and opt.local_epoch == epoch and time.monotonic() < deadline:
@@ -87,11 +94,26 @@ def main() -> int:
             progress_file.write_text(str(opt.local_epoch))
             flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
             np.save(f"{args.out}.e{opt.local_epoch}.npy", flat)
+    # Let background work land (a catch-up download, a parameter round), and stay reachable for
+    # late joiners until the test says so: training is fast, a joiner may start after the end.
+    while time.monotonic() < deadline and (
+        opt._catch_up is not None
+        or opt._state_round.running
+        or (args.linger_file and not os.path.exists(args.linger_file))
+    ):
+        opt.step(batch_size=0)
+        time.sleep(0.05)
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
     np.save(args.out + ".npy", params)
     with open(args.out + ".json", "w") as file:
         json.dump(
-            {"epoch": opt.local_epoch, "epochs": epochs_seen, "lr": opt.param_groups[0]["lr"]}, file
+            {
+                "epoch": opt.local_epoch,
+                "epochs": epochs_seen,
+                "loaded_epoch": loaded_epoch,
+                "lr": opt.param_groups[0]["lr"],
+            },
+            file,
         )
     opt.shutdown()
     dht.shutdown()

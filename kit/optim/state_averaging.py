@@ -1,0 +1,136 @@
+"""Parameter ("state") averaging for ``kit.Optimizer``: when it is needed, and how it runs late.
+
+Holds :func:`state_averaging_needed` (pure: does this epoch need a parameter-averaging round?) and
+:class:`DelayedStateAveraging` (one round in the background, applied later as a delta). It does not
+hold the averager itself (``kit.averaging``) nor the gradient rounds (``kit.optim.optimizer``).
+
+Why parameters rarely need averaging with gradient averaging. After an all-reduce that is
+*full* (every part averaged over every sender) and *exact* (no lossy codec), every member of the
+group holds bit-identical averaged gradients: each part is reduced once, by its aggregator, and the
+same bytes go to every member. Members that start an epoch with identical parameters and optimizer
+statistics and apply the identical gradient with the same optimizer end it identical too, so an
+averaging round would only average equal numbers. Parameters drift apart only when a round failed
+or was partial, when gradients travel through a lossy codec, when a peer missed a round (no
+samples, late), or by rounding on different hardware. So:
+
+* a peer whose gradient round was not full and exact, or whose group was smaller than the peers
+  its tracker sees at that epoch (the group may have split), marks itself *drifted*, and publishes
+  it with its progress; it stays drifted until a full parameter round with all of them;
+* on epochs where ``average_state_every`` calls for it, a peer averages parameters if it or
+  someone at its epoch is drifted, and in any case every ``SAFETY_PERIOD`` such epochs (slow
+  drift from different hardware's rounding);
+* with ``use_local_updates`` parameters differ by design: they are averaged whenever due.
+
+Peers may disagree for a moment on whether a round is needed (records travel through the DHT);
+the cost is a background round that finds no group, and the drifted flag makes the others join
+at the next due epoch.
+
+Delayed application (hivemind's ``delay_state_averaging``, the delta rule): the round averages a
+copy of the parameters taken when it starts, while training goes on; when it ends, each parameter
+moves by ``averaged - snapshot``, so whatever the peer did meanwhile (local updates, an optimizer
+step) is kept on top of the average instead of being overwritten.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+
+from kit.averaging.averager import DecentralizedAverager, RoundResult
+
+logger = logging.getLogger(__name__)
+
+SAFETY_PERIOD = 32  # with exact rounds, still average parameters every this many due epochs
+
+
+def state_averaging_needed(
+    epoch: int,
+    every: int,
+    *,
+    local_updates: bool,
+    drifted: bool,
+    others_drifted: bool,
+) -> bool:
+    """Whether the round after reaching ``epoch`` averages parameters (pure).
+
+    Args:
+        epoch: the epoch just reached (every peer decides on the same number).
+        every: ``average_state_every`` (0: never).
+        local_updates: peers step on local gradients, so parameters always differ.
+        drifted, others_drifted: this peer's, and the others' (as last fetched), drift flags.
+    """
+    if every <= 0 or epoch % every:
+        return False
+    if local_updates or drifted or others_drifted:
+        return True
+    return epoch % (every * SAFETY_PERIOD) == 0
+
+
+class DelayedStateAveraging:
+    """At most one parameter-averaging round at a time, applied as a delta when it is done.
+
+    Args:
+        averager: the state averager; its tensors are float32 CPU buffers shaped as the parameters.
+        apply_deltas: adds the round's deltas to the parameters (and every copy of them).
+    """
+
+    def __init__(
+        self,
+        averager: DecentralizedAverager,
+        apply_deltas: Callable[[Sequence[torch.Tensor]], None],
+    ) -> None:
+        self.averager = averager
+        self.apply_deltas = apply_deltas
+        self._snapshot: list[torch.Tensor] = []
+        self._future: concurrent.futures.Future[RoundResult | None] | None = None
+        self._expected = 0
+
+    @property
+    def running(self) -> bool:
+        return self._future is not None
+
+    def start(
+        self, source: Sequence[torch.Tensor], group_bits: str, expected: int, timeout: float
+    ) -> None:
+        """Copy ``source`` (the current parameters) and begin a round in the background."""
+        with self.averager.get_tensors() as buffers:
+            for buffer, param in zip(buffers, source, strict=True):
+                buffer.copy_(param.detach().float().cpu())
+            self._snapshot = [buffer.clone() for buffer in buffers]
+        self.averager.set_group_bits(group_bits)
+        self.averager.set_target_group_size(expected if expected >= 2 else None)
+        self._expected = expected
+        future = self.averager.step(weight=1.0, timeout=timeout, wait=False)
+        assert isinstance(future, concurrent.futures.Future)
+        self._future = future
+
+    def finish(self, wait: float | None = 0.0) -> tuple[bool, RoundResult | None]:
+        """Apply the round if it is over (waiting at most ``wait`` s; None: until it is).
+
+        Returns:
+            (over, result): ``over`` False while it still runs; ``result`` None if it failed.
+        """
+        future = self._future
+        if future is None:
+            return True, None
+        try:
+            result = future.result(timeout=wait)
+        except concurrent.futures.TimeoutError:
+            return False, None
+        except Exception as e:  # a failed round must never stop training
+            logger.warning("parameter averaging failed: %s", e)
+            result = None
+        self._future = None
+        if result is not None:
+            with self.averager.get_tensors() as buffers:
+                deltas = [b - s for b, s in zip(buffers, self._snapshot, strict=True)]
+            self.apply_deltas(deltas)
+        self._snapshot = []
+        return True, result
+
+    def complete(self, result: RoundResult | None) -> bool:
+        """Whether ``result`` averaged everyone this peer expected, exactly (clears drift)."""
+        return result is not None and result.is_full and len(result) >= self._expected
