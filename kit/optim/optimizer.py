@@ -333,6 +333,15 @@ class Optimizer(StateSharing, torch.optim.Optimizer):
             self._global_step()
         return loss
 
+    def share_state(self) -> None:
+        """Serve this peer's current state to others and report its epoch, auxiliary or not.
+
+        For a state loaded from elsewhere (the coordinator's checkpoint after a restart): late
+        joiners download it when no training peer has a newer one.
+        """
+        self.tracker.report_local_progress(self.local_epoch, 0)
+        self._publish_state(even_auxiliary=True)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.reuse_grad_buffers:
             raise KitUsageError(
@@ -442,6 +451,7 @@ class Optimizer(StateSharing, torch.optim.Optimizer):
             # a round tagged with our epoch would find nobody. Join the current epoch instead.
             self._fast_forward(global_epoch)
             return
+        refresh = False
         if self.use_local_updates:
             pass  # parameters are averaged by the state round below
         elif self._local_samples > 0:
@@ -470,6 +480,14 @@ class Optimizer(StateSharing, torch.optim.Optimizer):
                 )
             if not exact:
                 self._set_drifted(True)
+            # A round that failed or stayed partial while we keep our epoch leaves us with other
+            # gradients than the rest, so our optimizer statistics (Adam's moments) differ too,
+            # and parameter averaging alone would let the parameters drift apart again at every
+            # step (seen in tests/netsim/test_churn.py). Fetch an exact copy of the state of the
+            # peers whose round went through, in the background.
+            refresh = (result is None or not result.is_full or len(result) < expected) and (
+                self.tracker.global_progress.num_peers > 1
+            )
             self._last_group_size = len(result) if result is not None else 0
             with self.grad_averager.get_tensors() as buffers:
                 self._inner.set_gradients(buffers, reuse_grad_buffers=self.reuse_grad_buffers)
@@ -486,6 +504,9 @@ class Optimizer(StateSharing, torch.optim.Optimizer):
         self._inner.step(stepped, self.scheduler, reuse_grad_buffers=self.reuse_grad_buffers)
         if not self._inner.pending:
             self._after_update()
+        if refresh and self._catch_up is None:
+            self._catch_up_tries = 0
+            self._start_catch_up()
         if self.verbose:
             logger.info(
                 "epoch %d done (%d peers)", self.local_epoch, self.tracker.global_progress.num_peers

@@ -223,9 +223,9 @@ class StateSharing:
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
         }
 
-    def _publish_state(self) -> None:
-        if self.auxiliary:
-            return
+    def _publish_state(self, *, even_auxiliary: bool = False) -> None:
+        if self.auxiliary and not even_auxiliary:
+            return  # an auxiliary peer's parameters are not trained: nothing to share
         try:
             snapshot = StateSnapshot.capture(self.local_epoch, self._full_state(), digest=False)
         except KitError as e:

@@ -190,11 +190,20 @@ class StateServer:
         self.key = f"{prefix}_state_donors"
         self.expiration = expiration
         self.snapshot: StateSnapshot | None = None
+        # The snapshot before the current one, kept while someone may be downloading it: a
+        # joiner reads the metadata on one stream and the tensors on others, and with global
+        # steps a second apart the donor often publishes in between (every download failed its
+        # first try in the churn scenario). Kept only if its digest was asked for, and only
+        # one: it costs one more copy of the training state.
+        self.previous: StateSnapshot | None = None
         self._validator = Ed25519SignatureValidator(identity)
         node.add_validators([self._validator])
         peer.add_stream_handler(self.protocol, self._serve)
 
     async def publish(self, snapshot: StateSnapshot) -> None:
+        old = self.snapshot
+        if old is not None and old is not snapshot and old.digest:
+            self.previous = old
         self.snapshot = snapshot
         value = {
             "peer_id": self.peer.peer_id.to_bytes(),
@@ -226,10 +235,13 @@ class StateServer:
                 )
                 continue
             indices = request.get("tensors")
-            if request.get("digest") != snapshot.digest or not isinstance(indices, list):
+            wanted = request.get("digest")
+            held = [s for s in (self.snapshot, snapshot, self.previous) if s is not None]
+            serving = next((s for s in held if s.digest and s.digest == wanted), None)
+            if serving is None or not isinstance(indices, list):
                 raise KitError("requested state is not the one this peer holds (it moved on)")
             for index in indices:
-                tensor = snapshot.tensors[int(index)]
+                tensor = serving.tensors[int(index)]
                 await send_tensor(stream, tensor_header(tensor), tensor_bytes(tensor), timeout=30.0)
 
 
