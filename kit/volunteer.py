@@ -230,6 +230,12 @@ class Volunteer:
                 raise KitError("16 kit peers already run here - help: stop one of them first")
         return self._identity
 
+    def default_username(self) -> str:
+        """The name of an open run's leaderboard: the one given, else one from the peer id."""
+        if self.username is None:
+            self.username = f"anonymous-{str(self.identity().peer_id)[:8]}"
+        return self.username
+
     def login(self, hf_token: str) -> str:
         """Get an access token from the coordinator with ``hf_token``; returns the username.
 
@@ -239,9 +245,8 @@ class Volunteer:
         from kit.auth import authorizer_from_coordinator
         from kit.runtime import get_runtime
 
-        if self.info.authority_public_key is None:
-            self.username = self.username or "anonymous"
-            return self.username
+        if self.info.authority_public_key is None:  # an open run: nobody checks names
+            return self.default_username()
         authorizer = get_runtime().call(
             authorizer_from_coordinator(
                 self.info.url,
@@ -272,8 +277,7 @@ class Volunteer:
                 )
             self.login(self.hf_token)
         identity = self.identity()
-        if self.username is None:
-            self.username = f"anonymous-{str(identity.peer_id)[:8]}"
+        self.default_username()
         peer_options: dict[str, Any] = dict(
             identity=identity,
             run_id=self.config.collaboration.run_id,
@@ -300,6 +304,8 @@ class Volunteer:
             self.dht,
             batch_size_per_step=plan.batch_size_per_step or None,
             auxiliary=plan.auxiliary,
+            # The plan's memory saver when the GPU is short (8-bit statistics are not wired yet).
+            **({"offload_optimizer": True} if plan.offload_optimizer else {}),
         )
         gpus = getattr(hw, "gpus", None) or ()
         label = gpus[0].name if gpus and plan.device.startswith("cuda") else plan.device
@@ -353,7 +359,7 @@ class Volunteer:
         from kit.metrics import MetricsReporter
 
         authorizer = self.authorizer
-        username = self.username or ""
+        username = self.default_username()
 
         def token() -> bytes | None:
             current = authorizer.token if authorizer is not None else None

@@ -93,7 +93,7 @@ def start_coordinator(config: RunConfig, tmp_path: Path, port: int, hub: FakeHub
     return coordinator
 
 
-@pytest.mark.async_timeout(400)
+@pytest.mark.timeout(400)
 def test_allowlisted_run_leaderboard_checkpoints_and_restart(tmp_path, hub) -> None:
     port = free_port()
     config = allowlisted_run(tmp_path, port)

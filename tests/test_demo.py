@@ -20,7 +20,9 @@ def test_kit_demo_trains_and_the_loss_goes_down(tmp_path) -> None:
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-3000:]
     assert "dashboard at http://127.0.0.1:" in done.stdout
-    found = re.search(r"(\d+) global steps by (\d+) volunteers; loss ([\d.]+) -> ([\d.]+)", done.stdout)
+    found = re.search(
+        r"(\d+) global steps by (\d+) volunteers; loss ([\d.]+) -> ([\d.]+)", done.stdout
+    )
     assert found is not None, done.stdout[-2000:]
     steps, volunteers, start, end = found.groups()
     assert int(steps) >= 3 and int(volunteers) == 3
@@ -38,6 +40,9 @@ def test_the_demo_corpus_is_generated_locally_and_reproducibly(tmp_path) -> None
 
 def test_bad_arguments_are_refused() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "kit", "demo", "--peers", "0"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "kit", "demo", "--peers", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.returncode == 2 and "help:" in done.stderr

@@ -215,7 +215,7 @@ class Trainer:
 
     def _local_step(self) -> None:
         started = time.perf_counter()
-        total_loss = 0.0
+        total_loss = torch.zeros((), device=self.device)
         samples = 0
         steps = max(1, self.plan.accumulation_steps)
         for _ in range(steps):
@@ -229,14 +229,14 @@ class Trainer:
                 self.scaler.scale(loss / steps).backward()
             else:
                 (loss / steps).backward()
-            total_loss += float(loss.detach())
+            total_loss += loss.detach().float()  # summed on the device: one sync per step
             samples += int(batch["input_ids"].shape[0])
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         if self.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad_norm)
         compute = time.perf_counter() - started
-        mean_loss = total_loss / steps
+        mean_loss = float(total_loss) / steps
         self.local_steps += 1
         self.samples_total += samples
         self.compute_seconds += compute

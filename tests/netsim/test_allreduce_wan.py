@@ -14,23 +14,10 @@ import statistics
 
 import pytest
 
-from kit.errors import NetnsUnavailable
-from kit.testing.netsim import HostSpec, LinkShape, NetSim, check_available
+from kit.testing.netsim import HostSpec, LinkShape, NetSim
 from tests.netsim.averaging_peer import run_rounds
+from tests.netsim.skips import skip_without_netns
 
-
-def _netns_problem() -> str | None:
-    try:
-        check_available()
-    except NetnsUnavailable as e:
-        return str(e)
-    return None
-
-
-NETNS_PROBLEM = _netns_problem()
-skip_without_netns = pytest.mark.skipif(
-    NETNS_PROBLEM is not None, reason=f"netns unavailable: {NETNS_PROBLEM}"
-)
 PEERS = 4
 SIZE_MB = 32.0  # scenario 1: ~4.3 s a round at 100 Mbit/s; at 16 MB the fixed costs of a round
 # (first chunk in before the first average can leave, stream set-up) were ~1.18-1.24x the bound

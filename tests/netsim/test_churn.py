@@ -40,8 +40,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kit.errors import NetnsUnavailable
-from kit.testing.netsim import HostSpec, NetSim, check_available
+from kit.testing.netsim import HostSpec, NetSim
+from tests.netsim.skips import skip_without_netns
 
 logger = logging.getLogger(__name__)
 
@@ -64,14 +64,6 @@ JOIN_TIMEOUT = 120.0  # a new peer imports torch, joins the DHT, downloads the s
 FINISH_TIMEOUT = 120.0  # survivors reach the final epoch / exit after the release
 PEER_MODULE = "tests.netsim.churn_peer"
 TIMEOUT = int(CHURN_SECONDS + 2 * JOIN_TIMEOUT + 2 * FINISH_TIMEOUT + 60)
-
-
-def _netns_problem() -> str | None:
-    try:
-        check_available()
-    except NetnsUnavailable as e:
-        return str(e)
-    return None
 
 
 def min_steps(churn_seconds: float) -> int:
@@ -238,7 +230,7 @@ def test_stall_metric_counts_gaps_and_an_unfinished_stall() -> None:
 @pytest.mark.processes
 @pytest.mark.sockets
 @pytest.mark.timeout(TIMEOUT)
-@pytest.mark.skipif(_netns_problem() is not None, reason=f"netns unavailable: {_netns_problem()}")
+@skip_without_netns
 def test_training_survives_churn(tmp_path: Path) -> None:
     rng = random.Random(SEED)
     hosts = [HostSpec("boot")] + [HostSpec(f"s{i}") for i in range(POOL_SLOTS)]

@@ -16,33 +16,20 @@ import time
 
 import pytest
 
-from kit.errors import ConfigError, NetnsUnavailable
+from kit.errors import ConfigError
 from kit.testing.delay_proxy import DelayProxy, DelaySchedule
 from kit.testing.netsim import (
     HostSpec,
     LinkShape,
     NetSim,
-    check_available,
     clean_stale,
     list_namespaces,
     read_line,
     stale_namespaces,
 )
 from tests.conftest import MS
+from tests.netsim.skips import skip_without_netns
 
-
-def _netns_problem() -> str | None:
-    try:
-        check_available()
-    except NetnsUnavailable as e:
-        return str(e)
-    return None
-
-
-NETNS_PROBLEM = _netns_problem()
-skip_without_netns = pytest.mark.skipif(
-    NETNS_PROBLEM is not None, reason=f"netns unavailable: {NETNS_PROBLEM}"
-)
 PEER = "tests.netsim.peer"
 CONNECT = (  # prints "connected" or the error: a TCP dial of argv[1]:argv[2]
     "import socket, sys\n"
