@@ -43,7 +43,7 @@ from kit.averaging.compression import (
     TensorDescriptor,
 )
 from kit.averaging.group import GroupInfo, schema_hash
-from kit.averaging.matchmaking import MemberInfo
+from kit.averaging.matchmaking import MemberInfo, Phase
 from kit.averaging.matchmaking_driver import AveragingRouter, MatchmakingDriver
 from kit.averaging.partition import PartitionPlan, RoundReport
 from kit.averaging.settings import AveragerSettings, check_tensors, chunk_elements
@@ -495,6 +495,16 @@ class DecentralizedAverager:
     def bandwidth(self) -> float | None:
         """Measured (or given) bandwidth in bytes per second, used for load balancing."""
         return self._require().bandwidth
+
+    @property
+    def is_looking_for_group(self) -> bool:
+        """A round is still forming its group (cancelling it now breaks nobody's all-reduce)."""
+        core = self._core
+        return core is not None and core.matchmaking.phase in (
+            Phase.LOOKING,
+            Phase.JOINING,
+            Phase.LEADING,
+        )
 
     def _require(self) -> AsyncAverager:
         if self._core is None:

@@ -45,7 +45,6 @@ import numbers
 from collections.abc import Sequence
 
 import numpy as np
-import scipy.optimize
 
 from kit.errors import ConfigError, InvalidBandwidth, NoAggregators
 
@@ -163,6 +162,11 @@ def _solve(base: np.ndarray, slope: np.ndarray, b: np.ndarray) -> np.ndarray:
     k = len(b)
     if k == 1:
         return np.ones(1)
+    # Imported here, not at module level: scipy.optimize costs ~0.5 s of import, which a late
+    # joiner would otherwise pay before its first step (kit.Optimizer imports kit.averaging);
+    # only a leader of a group with several aggregators ever solves the LP.
+    import scipy.optimize
+
     minimise_z = np.zeros(k + 1)
     minimise_z[-1] = 1.0
     weights_sum_to_one = {"A_eq": np.ones((1, k + 1)), "b_eq": np.ones(1)}

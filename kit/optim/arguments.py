@@ -18,11 +18,13 @@ from kit.errors import ConfigError
 def resolve_defaults(arguments: dict[str, Any]) -> tuple[bool, bool]:
     """``(delay_optimizer_step, offload_optimizer)`` with their ``None`` defaults resolved.
 
-    hivemind: ``delay_optimizer_step=None`` means ``delay_grad_averaging``; kit has no delayed
-    gradient averaging, so it means False. ``offload_optimizer=None`` means False here (hivemind
-    turns it on with an optimizer factory): a copy of the parameters costs memory, so ask for it.
+    As in hivemind, ``delay_optimizer_step=None`` means ``delay_grad_averaging``.
+    ``offload_optimizer=None`` means False here (hivemind turns it on with an optimizer factory):
+    a copy of the parameters costs memory, so ask for it.
     """
     delay = arguments["delay_optimizer_step"]
+    if delay is None:
+        delay = arguments["delay_grad_averaging"]
     offload = arguments["offload_optimizer"]
     return bool(delay), bool(offload)
 
@@ -33,15 +35,11 @@ def validate(arguments: dict[str, Any]) -> None:
     Raises:
         ConfigError: the combination, and what to do instead.
     """
-    unsupported = {
-        "delay_grad_averaging": arguments["delay_grad_averaging"],
-        "grad_averager_factory": arguments["grad_averager_factory"] is not None,
-    }
-    for name, value in unsupported.items():
-        if value:
-            raise ConfigError(
-                f"{name} is not supported by kit.Optimizer yet - help: leave it at its default"
-            )
+    if arguments["grad_averager_factory"] is not None:
+        raise ConfigError(
+            "grad_averager_factory is not supported: kit.Optimizer has one gradient averager "
+            "(codecs via grad_compression) - help: leave it at None"
+        )
     compression = arguments["load_state_compression"]
     if compression is not None and not isinstance(compression, NoCompression):
         raise ConfigError(
@@ -77,8 +75,18 @@ def validate(arguments: dict[str, Any]) -> None:
             "parameters, so kit must create it - help: pass optimizer=lambda p: Opt(p, ...) "
             "and params=model.parameters()"
         )
+    if arguments["delay_grad_averaging"] and not delay:
+        raise ConfigError(
+            "delay_grad_averaging runs the round and then the optimizer step in the background, "
+            "so it needs delay_optimizer_step - help: drop delay_optimizer_step=False"
+        )
     if arguments["use_local_updates"]:
-        for name in ("reuse_grad_buffers", "delay_optimizer_step", "offload_optimizer"):
+        for name in (
+            "reuse_grad_buffers",
+            "delay_optimizer_step",
+            "delay_grad_averaging",
+            "offload_optimizer",
+        ):
             if arguments[name]:
                 raise ConfigError(
                     f"use_local_updates steps on every local gradient, so {name} does not apply"
@@ -93,6 +101,14 @@ def validate(arguments: dict[str, Any]) -> None:
         raise ConfigError(
             "average_state_every must be >= 0 and load_state_timeout > 0 - help: e.g. 1 and 600"
         )
+    names = arguments["average_opt_statistics"]
+    if isinstance(names, str) or not all(isinstance(n, str) and n for n in names):
+        raise ConfigError(
+            "average_opt_statistics must be a sequence of names of optimizer statistics - "
+            "help: e.g. ('exp_avg_sq',) for Adam"
+        )
+    if not all(isinstance(t, torch.Tensor) for t in arguments["extra_tensors"]):
+        raise ConfigError("extra_tensors must be torch tensors - help: pass a list of tensors")
     if not isinstance(arguments["run_id"], str) or not arguments["run_id"]:
         raise ConfigError(
             "run_id must be a non-empty string - help: the run's name, e.g. 'sahajbert'"

@@ -26,13 +26,17 @@ How one ``step(batch_size=...)`` works (gradient averaging, the default):
    collaboration has since stepped past) moves to the current epoch at once and downloads the
    current state in the background; further behind, it downloads the state before going on.
 
+With ``delay_grad_averaging`` (needs ``delay_optimizer_step``), steps 3-4 run in the background
+thread: the peer moves to the next epoch at once and computes its next batches while the round
+and the optimizer step go on; their result lands at a safe point, one step stale, as in hivemind.
+
 With ``use_local_updates=True`` (hivemind's quickstart; local SGD as in DiLoCo-style runs) the
 inner optimizer steps after every local step and the collaboration averages parameters once per
-epoch (``average_opt_statistics`` is accepted but not averaged yet).
+epoch, with the optimizer statistics named in ``average_opt_statistics``.
 
-Supported hivemind arguments: all but ``delay_grad_averaging`` and ``grad_averager_factory``
-(refused with ConfigError) and ``load_state_compression`` (refused unless None/NoCompression:
-the state is verified by its digest); ``extra_tensors`` is ignored with a warning.
+Supported hivemind arguments: all but ``grad_averager_factory`` (refused with ConfigError: kit
+has one gradient averager) and ``load_state_compression`` (refused unless None/NoCompression: the
+state is verified by its digest).
 """
 
 from __future__ import annotations
@@ -48,19 +52,22 @@ import torch
 
 from kit.averaging.averager import DecentralizedAverager, RoundResult
 from kit.averaging.compression import CompressionBase, NoCompression
-from kit.averaging.matchmaking import Phase
 from kit.errors import (
     ConfigError,
-    KitError,
-    KitTimeout,
     KitUsageError,
-    TransientError,
 )
+from kit.optim.accumulation import GradientAccumulator
 from kit.optim.arguments import resolve_defaults, validate
 from kit.optim.progress import GlobalProgress, ProgressTracker
+from kit.optim.rounds import RoundOutcome, average_at_epoch, group_bits
 from kit.optim.sharing import StateSharing
 from kit.optim.state import StateServer, StateSnapshot
-from kit.optim.state_averaging import DelayedStateAveraging, state_averaging_needed
+from kit.optim.state_averaging import (
+    AveragedTensors,
+    DelayedStateAveraging,
+    initialize_statistics,
+    state_averaging_needed,
+)
 from kit.optim.stepping import InnerOptimizer
 from kit.runtime import get_runtime
 
@@ -98,6 +105,9 @@ class Optimizer(StateSharing, torch.optim.Optimizer):
         delay_optimizer_step: the inner optimizer steps in a background thread while the next
             batch computes; the parameters change at the next ``step()`` call (so gradients of
             the batch in between are one step stale, as in hivemind). Needs the factory form.
+        delay_grad_averaging: the gradient round (and the optimizer step) run in the background
+            while the next batches compute; needs ``delay_optimizer_step`` (its default then).
+            Turn it on when rounds take long next to a batch (slow links, big models).
         delay_state_averaging: parameter-averaging rounds run in the background and are applied
             as a delta when done (False: wait for them).
         average_state_every: parameters may be averaged every this many epochs (0: never); with
@@ -107,7 +117,10 @@ class Optimizer(StateSharing, torch.optim.Optimizer):
         client_mode: True for peers that cannot accept connections (None: as the DHT's peer).
         auxiliary: a helper without gradients (CPU is enough): it only joins averaging rounds.
         grad_compression, state_averaging_compression: codecs (kit.averaging) on the wire.
-        average_opt_statistics: accepted for hivemind's scripts; not averaged yet.
+        average_opt_statistics: names of optimizer statistics averaged with the parameters
+            (e.g. ``("exp_avg_sq",)`` for Adam); useful with ``use_local_updates``.
+        extra_tensors: further tensors averaged with the parameters and shared with late
+            joiners (e.g. a running mean that is not a parameter); same shapes on every peer.
         averager_opts, tracker_opts: extra keyword arguments of the averagers and the tracker.
         verbose: log every epoch at INFO level.
 
@@ -153,8 +166,6 @@ class Optimizer(StateSharing, torch.optim.Optimizer):
     ) -> None:
         validate(locals())
         delay_step, offload = resolve_defaults(locals())
-        if extra_tensors:
-            logger.warning("kit.Optimizer ignores extra_tensors (not supported yet)")
         self.dht = dht
         self.run_id = run_id
         self.target_batch_size = target_batch_size
@@ -163,6 +174,7 @@ class Optimizer(StateSharing, torch.optim.Optimizer):
         self.auxiliary = auxiliary
         self.reuse_grad_buffers = reuse_grad_buffers
         self.delay_optimizer_step = delay_step
+        self.delay_grad_averaging = delay_grad_averaging
         self.delay_state_averaging = delay_state_averaging
         self.average_state_every = average_state_every
         self.average_opt_statistics = tuple(average_opt_statistics)
@@ -177,6 +189,10 @@ class Optimizer(StateSharing, torch.optim.Optimizer):
         self._inner = InnerOptimizer(optimizer, params, copies=offload, delay=delay_step)
         self.opt = self._inner.opt
         self._params = self._inner.params
+        self._extra = list(extra_tensors)
+        if self.average_opt_statistics:
+            initialize_statistics(self.opt, self.average_opt_statistics)  # before the scheduler
+        self._averaged = AveragedTensors(self._inner, self.average_opt_statistics, self._extra)
         self.scheduler = (
             scheduler(self.opt)
             if callable(scheduler) and not hasattr(scheduler, "step")
@@ -189,22 +205,23 @@ class Optimizer(StateSharing, torch.optim.Optimizer):
         self.local_epoch = 0
         self._in_step = False  # it has loaded a state or taken a global step with the others
         self._last_group_size = 0  # of the last gradient round (0: none, or it failed)
+        self._outcome: RoundOutcome | None = None  # of a background gradient round, to conclude
+        self._held_report: tuple[int, int] | None = None  # published while that round runs
         self._catch_up_base: list[torch.Tensor] = []  # our parameters when a catch-up began
         self._catch_up_epoch = 0  # and our epoch then
         self._catch_up_tries = 0  # downloads since we fell behind
-        self._local_samples = 0
-        self._local_steps = 0  # micro-steps accumulated in .grad (reuse_grad_buffers)
-        self._grad_scale = 1.0  # the scale of what .grad holds (reuse_grad_buffers with AMP)
+        self._accumulated = GradientAccumulator(
+            self._params,
+            reuse_grad_buffers=reuse_grad_buffers,
+            buffered=not (use_local_updates or auxiliary),
+        )
         # A fresh peer's parameters match nobody's (random init, or a checkpoint): drifted until
         # a state download or a complete parameter round says otherwise.
         self._drifted = True
-        self._accumulators = (
-            []
-            if reuse_grad_buffers or use_local_updates or auxiliary
-            else [torch.zeros_like(p, dtype=torch.float32) for p in self._params]
-        )
         self._grad_buffers = [torch.zeros(p.shape, dtype=torch.float32) for p in self._params]
-        self._state_buffers = [torch.zeros(p.shape, dtype=torch.float32) for p in self._params]
+        self._state_buffers = [
+            torch.zeros(t.shape, dtype=torch.float32) for t in self._averaged.current()
+        ]
         self._catch_up: concurrent.futures.Future[StateSnapshot | None] | None = None
         self._runtime = get_runtime()
         # A late joiner will need the collaboration's state: fetch it while the rest is set up
@@ -234,7 +251,7 @@ class Optimizer(StateSharing, torch.optim.Optimizer):
             compression=state_averaging_compression or NoCompression(),
             **averaging,
         )
-        self._state_round = DelayedStateAveraging(self.state_averager, self._inner.add)
+        self._state_round = DelayedStateAveraging(self.state_averager, self._averaged.add)
         identity = dht.node.peer.identity
 
         async def start(_: Any, node: Any) -> tuple[ProgressTracker, StateServer]:
@@ -326,10 +343,11 @@ class Optimizer(StateSharing, torch.optim.Optimizer):
             # samples toward the current epoch at once; the current state comes in the
             # background (applied at a safe point as a delta), drift is flagged meanwhile.
             self._fast_forward(global_epoch)
-        if batch_size > 0 and self._accumulate(batch_size, grad_scaler):
-            self._local_samples += batch_size
-        self.tracker.report_local_progress(self.local_epoch, self._local_samples)
-        if self.tracker.ready_to_update_epoch:
+        finite = batch_size > 0 and self._accumulated.add(batch_size, grad_scaler)
+        if finite and self.use_local_updates:
+            self.opt.step()
+        self._report_progress()
+        if self._held_report is None and self.tracker.ready_to_update_epoch:
             self._global_step()
         return loss
 
@@ -385,57 +403,6 @@ class Optimizer(StateSharing, torch.optim.Optimizer):
             if self.dht.is_alive():
                 self.dht.run_coroutine(stop)
 
-    # --- accumulation -----------------------------------------------------------------------
-
-    def _accumulate(self, batch_size: int, grad_scaler: Any) -> bool:
-        scale = 1.0 if grad_scaler is None else float(grad_scaler.get_scale())
-        grads = [p.grad for p in self._params]
-        finite = all(g is None or bool(torch.isfinite(g).all()) for g in grads)
-        if not finite:
-            logger.warning("skipping a step with non-finite gradients (it is not sent to peers)")
-            if grad_scaler is not None:
-                grad_scaler.update(scale / 2)
-            if self.reuse_grad_buffers:  # the bad gradient is mixed into .grad: start over
-                logger.warning(
-                    "reuse_grad_buffers: the %d samples accumulated so far are dropped",
-                    self._local_samples,
-                )
-                self._clear_grads()
-                self._local_samples = self._local_steps = 0
-            return False
-        if self.reuse_grad_buffers:
-            self._local_steps += 1
-            self._grad_scale = scale
-        elif self.use_local_updates:
-            self.opt.step()
-        else:
-            for accumulator, grad in zip(self._accumulators, grads, strict=True):
-                if grad is not None:
-                    accumulator.add_(grad.detach().float(), alpha=batch_size / scale)
-        return True
-
-    def _local_gradient(self, buffers: list[torch.Tensor]) -> None:
-        """This peer's mean gradient over its samples of the epoch, into the averager's buffers."""
-        if self.reuse_grad_buffers:
-            for buffer, param in zip(buffers, self._params, strict=True):
-                if param.grad is None:
-                    buffer.zero_()
-                else:
-                    scale = 1.0 / (max(1, self._local_steps) * self._grad_scale)
-                    buffer.copy_(param.grad.detach().float().cpu() * scale)
-        else:
-            for buffer, accumulator in zip(buffers, self._accumulators, strict=True):
-                buffer.copy_(accumulator.cpu() / self._local_samples)
-
-    def _clear_grads(self) -> None:
-        for param in self._params:
-            if param.grad is None:
-                continue
-            if self.reuse_grad_buffers:
-                param.grad.detach_().zero_()  # keep the buffer: that is the point of reusing it
-            else:
-                param.grad = None
-
     # --- the global step ----------------------------------------------------------------------
 
     def _global_step(self) -> None:
@@ -451,66 +418,96 @@ class Optimizer(StateSharing, torch.optim.Optimizer):
             # a round tagged with our epoch would find nobody. Join the current epoch instead.
             self._fast_forward(global_epoch)
             return
-        refresh = False
+        samples = self._accumulated.samples
         if self.use_local_updates:
-            pass  # parameters are averaged by the state round below
-        elif self._local_samples > 0:
+            stepped = False  # parameters are averaged by the state round (_after_update)
+        elif samples > 0:
             with self.grad_averager.get_tensors() as buffers:
-                self._local_gradient(buffers)
-            result, expected = self._average(self.grad_averager, self._local_samples)
+                self._accumulated.mean_gradient(buffers)
+            if self.delay_grad_averaging:
+                self._delayed_global_step(epoch, samples)
+                return
+            result, expected = self._average_gradients(epoch, samples)
             global_epoch = self.tracker.global_progress.epoch
             if result is None and global_epoch > epoch and self._in_step:
                 self._fast_forward(global_epoch)  # our samples came too late for that step
                 return
-            exact = (
-                result is not None
-                and result.is_full
-                and self._exact_gradients
-                and len(result) >= expected
-            )
-            if result is None:
-                logger.warning(
-                    "averaging failed at epoch %d: proceeding with the local gradients", epoch
-                )
-            elif not result.is_full:
-                logger.warning(
-                    "averaging at epoch %d was partial: parts %s stay local",
-                    epoch,
-                    result.unaveraged_parts,
-                )
-            if not exact:
-                self._set_drifted(True)
-            # A round that failed or stayed partial while we keep our epoch leaves us with other
-            # gradients than the rest, so our optimizer statistics (Adam's moments) differ too,
-            # and parameter averaging alone would let the parameters drift apart again at every
-            # step (seen in tests/netsim/test_churn.py). Fetch an exact copy of the state of the
-            # peers whose round went through, in the background.
-            refresh = (result is None or not result.is_full or len(result) < expected) and (
-                self.tracker.global_progress.num_peers > 1
-            )
-            self._last_group_size = len(result) if result is not None else 0
+            self._outcome = RoundOutcome(epoch, result, expected, self._exact_gradients)
             with self.grad_averager.get_tensors() as buffers:
                 self._inner.set_gradients(buffers, reuse_grad_buffers=self.reuse_grad_buffers)
             stepped = True
         else:
             logger.info("no samples at epoch %d: waiting for the state of the next epoch", epoch)
             self._set_drifted(True)  # the others step without us
-        self.local_epoch = epoch + 1
-        self._in_step = True
-        self._local_samples = self._local_steps = 0
-        for accumulator in self._accumulators:
-            accumulator.zero_()
-        self.tracker.report_local_progress(self.local_epoch, 0)
+            stepped = False
+        self._next_epoch(epoch, clear_grads=False)
         self._inner.step(stepped, self.scheduler, reuse_grad_buffers=self.reuse_grad_buffers)
         if not self._inner.pending:
             self._after_update()
-        if refresh and self._catch_up is None:
-            self._catch_up_tries = 0
-            self._start_catch_up()
+
+    def _delayed_global_step(self, epoch: int, samples: int) -> None:
+        """``delay_grad_averaging``: the round and the optimizer step run in the background thread
+        while this peer computes the next epoch's batches; the result lands at a safe point."""
+
+        def average() -> None:  # in the optimizer's thread
+            result, expected = self._average_gradients(epoch, samples)
+            self._outcome = RoundOutcome(epoch, result, expected, self._exact_gradients)
+            with self.grad_averager.get_tensors() as buffers:
+                self._inner.set_gradients(buffers, reuse_grad_buffers=False)
+
+        # Until the round is over the others must still see us at its epoch: a peer at the next
+        # one tells them the round is done, and a peer still looking for its group gives up.
+        self._held_report = (epoch, samples)
+        self._inner.step(True, self.scheduler, reuse_grad_buffers=False, before=average)
+        self._next_epoch(epoch, clear_grads=True)  # .grad is ours again: the mean is taken
+
+    def _next_epoch(self, epoch: int, *, clear_grads: bool) -> None:
+        self.local_epoch = epoch + 1
+        self._in_step = True
+        self._accumulated.reset(clear_grads=clear_grads)
+        self._report_progress()
         if self.verbose:
             logger.info(
                 "epoch %d done (%d peers)", self.local_epoch, self.tracker.global_progress.num_peers
             )
+
+    def _report_progress(self) -> None:
+        held = self._held_report
+        if held is not None and self._inner.pending:
+            self.tracker.report_local_progress(*held)
+        else:
+            self._held_report = None
+            self.tracker.report_local_progress(self.local_epoch, self._accumulated.samples)
+
+    def _average_gradients(self, epoch: int, samples: int) -> tuple[RoundResult | None, int]:
+        return average_at_epoch(
+            self.grad_averager,
+            self.tracker,
+            epoch,
+            float(samples),
+            last_group_size=self._last_group_size,
+            matchmaking_time=self.matchmaking_time,
+            averaging_timeout=self.averaging_timeout,
+        )
+
+    def _conclude_round(self) -> None:
+        """Judge the last gradient round (at a safe point, in the caller's thread)."""
+        outcome, self._outcome = self._outcome, None
+        if outcome is None:
+            return
+        outcome.log()
+        if not outcome.identical:
+            self._set_drifted(True)
+        self._last_group_size = outcome.group_size
+        # A round that failed or stayed partial while we keep our epoch leaves us with other
+        # gradients than the rest, so our optimizer statistics (Adam's moments) differ too, and
+        # parameter averaging alone would let the parameters drift apart again at every step
+        # (seen in tests/netsim/test_churn.py). Fetch an exact copy of the state of the peers
+        # whose round went through, in the background.
+        others = self.tracker.global_progress.num_peers > 1
+        if outcome.incomplete and others and self._catch_up is None:
+            self._catch_up_tries = 0
+            self._start_catch_up()
 
     def _finish_optimizer_step(self, wait: float | None) -> None:
         """Apply a delayed optimizer step if it is over (``wait``: as ``InnerOptimizer.finish``)."""
@@ -518,7 +515,11 @@ class Optimizer(StateSharing, torch.optim.Optimizer):
             self._after_update()
 
     def _after_update(self) -> None:
-        """At a safe point after an optimizer step: copy it to the model, share it, average it."""
+        """At a safe point after an optimizer step: judge its round, share it, average it."""
+        self._conclude_round()
+        if self._held_report is not None:
+            self._held_report = None
+            self._report_progress()
         self._publish_state()
         needed = state_averaging_needed(
             self.local_epoch,
@@ -538,8 +539,8 @@ class Optimizer(StateSharing, torch.optim.Optimizer):
         # may still see some of them at the previous epoch for a moment.
         expected = self._last_group_size or self.tracker.peers_at_epoch(self.local_epoch)
         self._state_round.start(
-            self._params,
-            _group_bits(self.local_epoch),
+            self._averaged.current(),
+            group_bits(self.local_epoch),
             expected,
             timeout=2 * self.matchmaking_time + 1.0,
         )
@@ -570,61 +571,21 @@ class Optimizer(StateSharing, torch.optim.Optimizer):
         self._drifted = drifted
         self.tracker.set_drifted(drifted)
 
-    # --- rounds ---------------------------------------------------------------------------------
-
-    def _average(
-        self, averager: DecentralizedAverager, weight: float
-    ) -> tuple[RoundResult | None, int]:
-        """One round tagged with our epoch; returns the result and how many peers we expected."""
-        # Tag the round with our epoch (hivemind's group bits): peers at different epochs never
-        # average together, so a late peer cannot mix its stale gradients into the next step.
-        averager.set_group_bits(_group_bits(self.local_epoch))
-        # Everyone the tracker sees at our epoch (auxiliary peers included): begin when they are in.
-        expected = self.tracker.peers_at_epoch(self.local_epoch, with_samples=True)
-        if expected < 2:
-            # Only we reported samples: the others' reports have not reached us yet (the peers
-            # of our last round are surely coming: their records may still show the previous
-            # epoch), or nobody else is there at all.
-            expected = max(self.tracker.peers_at_epoch(self.local_epoch), self._last_group_size)
-        averager.set_target_group_size(expected if expected >= 2 else None)
-        # The timeout bounds the search for a group; the all-reduce has its own (allreduce_timeout).
-        search = 2 * self.matchmaking_time + 1.0
-        future = averager.step(weight=weight, timeout=search, wait=False)
-        assert isinstance(future, concurrent.futures.Future)
-        give_up = time.monotonic() + search + self.averaging_timeout + 30.0
-        while True:
-            try:
-                result = future.result(timeout=0.05)
-                break
-            except concurrent.futures.TimeoutError:
-                # Still looking while the others already finished this epoch's round (we were
-                # not in their view in time): nobody will come, stop now rather than time out.
-                moved_on = self.tracker.global_progress.epoch > self.local_epoch
-                if (moved_on and _searching(averager)) or time.monotonic() > give_up:
-                    future.cancel()
-                    logger.info("the others finished epoch %d's round without us", self.local_epoch)
-                    return None, expected
-            except (TransientError, KitTimeout, KitError, concurrent.futures.CancelledError) as e:
-                logger.warning("averaging round failed: %s", e)
-                return None, expected
-        if result is not None:
-            logger.debug(
-                "%s: averaged with %d peers (full: %s) in %.2f + %.2f s",
-                averager.settings.prefix,
-                len(result),
-                result.is_full,
-                result.matchmaking_time,
-                result.allreduce_time,
-            )
-        return result, expected
-
     def _auxiliary_step(self) -> None:
         """Auxiliary peers bring no gradients: they join the rounds when the others are ready."""
         progress = self._runtime.call(self.tracker.wait_for_update(5.0), timeout=10.0)
         if progress.epoch > self.local_epoch:
             self.local_epoch = progress.epoch
         if progress.ready:
-            self._average(self.grad_averager, 0.0)
+            average_at_epoch(
+                self.grad_averager,
+                self.tracker,
+                self.local_epoch,
+                0.0,
+                last_group_size=self._last_group_size,
+                matchmaking_time=self.matchmaking_time,
+                averaging_timeout=self.averaging_timeout,
+            )
             self.local_epoch = progress.epoch + 1
             self.tracker.report_local_progress(self.local_epoch, 0)
         else:
@@ -633,14 +594,3 @@ class Optimizer(StateSharing, torch.optim.Optimizer):
                 if math.isfinite(progress.eta_next_epoch)
                 else 0.5
             )
-
-
-def _group_bits(epoch: int) -> str:
-    return format(epoch % 2**20, "020b")
-
-
-def _searching(averager: DecentralizedAverager) -> bool:
-    """The averager is still looking for a group (cancelling it then breaks nobody's round)."""
-    # kit.averaging has no public flag for it yet: read the matchmaking phase.
-    phase = averager._require().matchmaking.phase
-    return phase in (Phase.LOOKING, Phase.JOINING, Phase.LEADING)

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from kit.errors import KitError, KitTimeout, StateDownloadFailed
+from kit.optim.accumulation import GradientAccumulator
 from kit.optim.progress import ProgressTracker
 from kit.optim.state import StateServer, StateSnapshot, download_state, find_donors
 from kit.optim.stepping import InnerOptimizer
@@ -56,9 +57,8 @@ class StateSharing:
     tracker: ProgressTracker
     _inner: InnerOptimizer
     _params: list[torch.Tensor]
-    _accumulators: list[torch.Tensor]
-    _local_samples: int
-    _local_steps: int
+    _accumulated: GradientAccumulator
+    _extra: list[torch.Tensor]
     _in_step: bool
     _state_server: StateServer
     _prefetch: SnapshotFuture | None
@@ -71,9 +71,6 @@ class StateSharing:
         raise NotImplementedError
 
     def _set_drifted(self, drifted: bool) -> None:
-        raise NotImplementedError
-
-    def _clear_grads(self) -> None:
         raise NotImplementedError
 
     def load_state_from_peers(self, timeout: float | None = None) -> None:
@@ -159,11 +156,7 @@ class StateSharing:
         )
         self._finish_optimizer_step(wait=None)
         self.local_epoch = epoch
-        self._local_samples = self._local_steps = 0
-        for accumulator in self._accumulators:
-            accumulator.zero_()
-        if self.reuse_grad_buffers:
-            self._clear_grads()
+        self._accumulated.reset()
         self._set_drifted(True)
         self.tracker.report_local_progress(self.local_epoch, 0)
         if self._prefetch is not None:  # taken before our epoch: too old to be of use now
@@ -219,6 +212,7 @@ class StateSharing:
         return {
             "epoch": self.local_epoch,
             "params": [p.detach() for p in self._params],
+            "extra": [t.detach() for t in self._extra],
             "optimizer": self.opt.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
         }
@@ -251,23 +245,40 @@ class StateSharing:
                 )
         return params
 
+    def _checked_extra(self, state: dict[str, Any]) -> list[torch.Tensor]:
+        """The state's ``extra_tensors``, shaped as ours (none if this run has none)."""
+        extra = state.get("extra", [])
+        if not self._extra:
+            return []
+        if not isinstance(extra, list) or len(extra) != len(self._extra):
+            raise StateDownloadFailed(
+                f"the peers' state has {len(extra) if isinstance(extra, list) else 'no'} extra "
+                f"tensors, {len(self._extra)} here - help: pass the same extra_tensors everywhere"
+            )
+        for mine, theirs in zip(self._extra, extra, strict=True):
+            if not isinstance(theirs, torch.Tensor) or tuple(mine.shape) != tuple(theirs.shape):
+                raise StateDownloadFailed(
+                    f"an extra tensor from peers does not match {tuple(mine.shape)} here"
+                )
+        return extra
+
     def _load_snapshot(self, snapshot: StateSnapshot, *, keep_accumulated: bool) -> None:
         """Load a downloaded state. ``keep_accumulated``: it is of our current epoch, and what we
         accumulated toward it stays (computed on one-step-old parameters: DeDLOC tolerates it)."""
         state = snapshot.state()
         params = self._checked_params(state)
+        extra = self._checked_extra(state)
         self._inner.load(params)
+        with torch.no_grad():
+            for mine, theirs in zip(self._extra, extra, strict=True):
+                mine.copy_(theirs.to(device=mine.device, dtype=mine.dtype))
         self.opt.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.local_epoch = snapshot.epoch
         self._in_step = True
         if not keep_accumulated:
-            self._local_samples = self._local_steps = 0
-            for accumulator in self._accumulators:
-                accumulator.zero_()
-            if self.reuse_grad_buffers:
-                self._clear_grads()
+            self._accumulated.reset()
         self._set_drifted(False)
-        self.tracker.report_local_progress(self.local_epoch, self._local_samples)
+        self.tracker.report_local_progress(self.local_epoch, self._accumulated.samples)
         self._publish_state()

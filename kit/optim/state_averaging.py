@@ -25,6 +25,12 @@ Peers may disagree for a moment on whether a round is needed (records travel thr
 the cost is a background round that finds no group, and the drifted flag makes the others join
 at the next due epoch.
 
+What a round averages (:class:`AveragedTensors`): the parameters, then the optimizer statistics
+named in ``average_opt_statistics`` (e.g. Adam's ``exp_avg_sq``; with local updates the peers'
+statistics differ as much as their parameters), then the ``extra_tensors``, in that fixed order on
+every peer. Statistics must exist before the first round (their shapes make the averager's
+schema), so :func:`initialize_statistics` creates them with a step that changes nothing.
+
 Delayed application (hivemind's ``delay_state_averaging``, the delta rule): the round averages a
 copy of the parameters taken when it starts, while training goes on; when it ends, each parameter
 moves by ``averaged - snapshot``, so whatever the peer did meanwhile (local updates, an optimizer
@@ -40,6 +46,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kit.averaging.averager import DecentralizedAverager, RoundResult
+from kit.errors import ConfigError
+from kit.optim.stepping import InnerOptimizer
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +75,73 @@ def state_averaging_needed(
     if local_updates or drifted or others_drifted:
         return True
     return epoch % (every * SAFETY_PERIOD) == 0
+
+
+def initialize_statistics(opt: torch.optim.Optimizer, names: Sequence[str]) -> None:
+    """Create ``opt``'s per-parameter state (lazy in torch) so ``names`` can be averaged.
+
+    One step on zero gradients, then every parameter is put back and step counters reset: with
+    weight decay or momentum a step on a zero gradient could still move a parameter.
+
+    Raises:
+        ConfigError: a name that is not a tensor of the optimizer's state, shaped as its parameter.
+    """
+    params = [p for group in opt.param_groups for p in group["params"]]
+    missing = [p for p in params if not opt.state.get(p)]
+    if missing:
+        saved = [(p, p.detach().clone(), p.grad) for p in missing]
+        for p in missing:
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        with torch.no_grad():
+            for p, value, grad in saved:
+                p.copy_(value)
+                p.grad = grad
+                for key, item in opt.state[p].items():
+                    if key == "step":
+                        opt.state[p][key] = torch.zeros_like(item) if torch.is_tensor(item) else 0
+    for p in params:
+        for name in names:
+            value = opt.state[p].get(name)
+            if not torch.is_tensor(value) or value.shape != p.shape:
+                available = sorted(
+                    k for k, v in opt.state[p].items() if torch.is_tensor(v) and v.shape == p.shape
+                )
+                raise ConfigError(
+                    f"average_opt_statistics: {type(opt).__name__} has no per-parameter {name!r}"
+                    f" - help: use some of {available}"
+                )
+
+
+class AveragedTensors:
+    """The tensors a parameter round averages: parameters, named optimizer statistics, extras.
+
+    Args:
+        inner: the inner optimizer (its parameters, and their master copies holding the state).
+        statistics: names of per-parameter optimizer statistics (``average_opt_statistics``).
+        extra: further tensors averaged as they are (``extra_tensors``).
+    """
+
+    def __init__(
+        self, inner: InnerOptimizer, statistics: Sequence[str], extra: Sequence[torch.Tensor]
+    ) -> None:
+        self.inner = inner
+        self.statistics = tuple(statistics)
+        self.extra = list(extra)
+
+    def current(self) -> list[torch.Tensor]:
+        """The tensors now (statistics looked up afresh: loading a state replaces them)."""
+        state = self.inner.opt.state
+        stats = [state[m][name] for m in self.inner.master for name in self.statistics]
+        return [*self.inner.params, *stats, *self.extra]
+
+    def add(self, deltas: Sequence[torch.Tensor]) -> None:
+        """Move every tensor by its delta (parameters: every copy of them too)."""
+        count = len(self.inner.params)
+        self.inner.add(deltas[:count])
+        with torch.no_grad():
+            for tensor, delta in zip(self.current()[count:], deltas[count:], strict=True):
+                tensor.add_(delta.to(device=tensor.device, dtype=tensor.dtype))
 
 
 class DelayedStateAveraging:

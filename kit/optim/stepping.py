@@ -67,10 +67,23 @@ class InnerOptimizer:
             if reuse_grad_buffers and master is not param and param.grad is not None:
                 param.grad.zero_()  # consumed: accumulation starts over in the same buffer
 
-    def step(self, apply: bool, scheduler: Any, *, reuse_grad_buffers: bool) -> None:
-        """The optimizer's step (if ``apply``) and the scheduler's: now, or in the thread."""
+    def step(
+        self,
+        apply: bool,
+        scheduler: Any,
+        *,
+        reuse_grad_buffers: bool,
+        before: Callable[[], None] | None = None,
+    ) -> None:
+        """The optimizer's step (if ``apply``) and the scheduler's: now, or in the thread.
+
+        ``before`` runs first, in the same place (``delay_grad_averaging``: the gradient round,
+        which then gives the optimizer its gradients).
+        """
 
         def run() -> None:
+            if before is not None:
+                before()
             if apply:
                 self.opt.step()
                 for master in self.master:

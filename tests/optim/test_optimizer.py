@@ -140,6 +140,22 @@ def test_bad_arguments_fail_at_construction() -> None:
                 auxiliary=True,
                 batch_size_per_step=4,
             ),
+            dict(  # delayed rounds end in a delayed optimizer step
+                optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                params=model.parameters(),
+                delay_grad_averaging=True,
+                delay_optimizer_step=False,
+            ),
+            dict(optimizer=torch.optim.SGD(model.parameters(), lr=0.1), grad_averager_factory=1),
+            dict(  # a name, not a sequence of names
+                optimizer=torch.optim.Adam(model.parameters()),
+                average_opt_statistics="exp_avg_sq",
+            ),
+            dict(  # SGD without momentum keeps no statistics
+                optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                average_opt_statistics=("exp_avg_sq",),
+            ),
+            dict(optimizer=torch.optim.Adam(model.parameters()), extra_tensors=[[1.0]]),
         ]
         for case in cases:
             with pytest.raises(ConfigError, match="help:"):
@@ -192,17 +208,17 @@ def test_non_finite_gradients_are_skipped_and_never_sent(caplog: pytest.LogCaptu
         try:
             model(torch.randn(4, 8)).sum().backward()
             opt.step(batch_size=4)
-            before = [a.clone() for a in opt._accumulators]
+            before = [a.clone() for a in opt._accumulated._sums]
             opt.zero_grad()
             loss = model(torch.randn(4, 8)).sum() * float("nan")
             loss.backward()
             with caplog.at_level("WARNING", logger="kit.optim.optimizer"):
                 opt.step(batch_size=4)
             assert "non-finite" in caplog.text
-            assert opt._local_samples == 4  # the poisoned batch was not counted...
+            assert opt._accumulated.samples == 4  # the poisoned batch was not counted...
             assert all(
-                torch.equal(a, b) for a, b in zip(opt._accumulators, before, strict=True)
+                torch.equal(a, b) for a, b in zip(opt._accumulated._sums, before, strict=True)
             )  # ...nor added
-            assert all(torch.isfinite(a).all() for a in opt._accumulators)
+            assert all(torch.isfinite(a).all() for a in opt._accumulated._sums)
         finally:
             opt.shutdown()

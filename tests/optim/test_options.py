@@ -1,21 +1,23 @@
 """kit.Optimizer's options with two in-process peers: each must still equal one-process training.
 
-reuse_grad_buffers, offload_optimizer, delay_optimizer_step, AMP (torch.amp.GradScaler on CPU),
-parameter averaging skipped after exact rounds, and an auxiliary peer joining a trainer's rounds.
+reuse_grad_buffers, offload_optimizer, delay_optimizer_step, delay_grad_averaging, AMP
+(torch.amp.GradScaler on CPU), parameter averaging skipped after exact rounds, local updates with
+averaged optimizer statistics and extra tensors, and an auxiliary peer joining a trainer's rounds.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
 import torch
 
 import kit
-from kit.errors import KitUsageError
-from kit.optim.state_averaging import SAFETY_PERIOD, state_averaging_needed
+from kit.errors import ConfigError, KitUsageError
+from kit.optim.state_averaging import SAFETY_PERIOD, initialize_statistics, state_averaging_needed
 from tests.optim.reference import make_model, micro_batches, target_batch_size, train_reference
 
 pytestmark = [pytest.mark.sockets]
@@ -63,16 +65,23 @@ def train_exactly(
         errors.append(e)
 
 
-def train_pair(**options: Any) -> list[dict[str, Any]]:
-    """Train two peers; returns their state averagers' statistics."""
+def run_pair(
+    extra: Sequence[Sequence[torch.Tensor]] = ((), ()),
+    after: Callable[[list[kit.Optimizer], str], None] | None = None,
+    **options: Any,
+) -> tuple[list[kit.Optimizer], list[torch.nn.Module], list[dict[str, Any]]]:
+    """Train two peers; returns them, their models and their state averagers' statistics.
+
+    ``after(opts, address)`` runs once both are done, before they shut down.
+    """
     amp = options.pop("amp", False)
     with kit.DHT(host="127.0.0.1", client_mode=False) as first:
         address = first.get_visible_maddrs()[0]
         with kit.DHT(initial_peers=[address], host="127.0.0.1", client_mode=False) as second:
             models = [make_model(), make_model()]
             opts = [
-                make_optimizer(dht, model, target_batch_size(2), **options)
-                for dht, model in zip((first, second), models, strict=True)
+                make_optimizer(dht, model, target_batch_size(2), extra_tensors=tensors, **options)
+                for dht, model, tensors in zip((first, second), models, extra, strict=True)
             ]
             errors: list[BaseException] = []
             threads = [
@@ -84,11 +93,19 @@ def train_pair(**options: Any) -> list[dict[str, Any]]:
                     thread.start()
                 for thread in threads:
                     thread.join(150)
+                assert not errors, errors
                 stats = [opt.state_averager.statistics() for opt in opts]
+                if after is not None:
+                    after(opts, address)
             finally:
                 for opt in opts:
                     opt.shutdown()
-            assert not errors, errors
+    return opts, models, stats
+
+
+def train_pair(**options: Any) -> list[dict[str, Any]]:
+    """Train two peers, check they equal one process; returns their state rounds' statistics."""
+    opts, models, stats = run_pair(**options)
     expected = train_reference(2, EPOCHS)
     for opt, model in zip(opts, models, strict=True):
         assert opt.local_epoch == EPOCHS
@@ -106,8 +123,17 @@ def train_pair(**options: Any) -> list[dict[str, Any]]:
         {"offload_optimizer": True},
         {"delay_optimizer_step": True},
         {"amp": True},
+        {"delay_grad_averaging": True},
+        {"delay_grad_averaging": True, "reuse_grad_buffers": True},
     ],
-    ids=["reuse_grad_buffers", "offload_optimizer", "delay_optimizer_step", "amp"],
+    ids=[
+        "reuse_grad_buffers",
+        "offload_optimizer",
+        "delay_optimizer_step",
+        "amp",
+        "delay_grad_averaging",
+        "delay_grad_averaging+reuse_grad_buffers",
+    ],
 )
 def test_two_peers_with_an_option_equal_one_process(options: dict[str, Any]) -> None:
     train_pair(average_state_every=0, **options)
@@ -119,6 +145,65 @@ def test_parameters_are_averaged_only_while_drifted() -> None:
     gradient rounds keep them identical and no more parameter rounds run."""
     for stats in train_pair(average_state_every=1):
         assert stats["full_rounds"] == 1 and stats["partial_rounds"] == 0
+
+
+@pytest.mark.async_timeout(200)
+def test_local_updates_average_parameters_named_statistics_and_extra_tensors() -> None:
+    """use_local_updates: each peer steps on its own shard, so parameters and Adam's moments
+    differ; every epoch's round averages the parameters, exp_avg_sq and the extra tensors (not
+    exp_avg: it is not named). A late joiner downloads the extra tensors with the state."""
+    joined: list[torch.Tensor] = []
+
+    def late_joiner(opts: list[kit.Optimizer], address: str) -> None:
+        with kit.DHT(initial_peers=[address], host="127.0.0.1", client_mode=False) as dht:
+            mine = torch.zeros(3)
+            late = make_optimizer(
+                dht,
+                make_model(),
+                target_batch_size(2),
+                use_local_updates=True,
+                average_opt_statistics=("exp_avg_sq",),
+                extra_tensors=[mine],
+            )
+            try:
+                late.load_state_from_peers(timeout=30)
+                joined.append(mine.clone())
+            finally:
+                late.shutdown()
+
+    opts, models, _ = run_pair(
+        extra=([torch.full((3,), 1.0)], [torch.full((3,), 3.0)]),
+        after=late_joiner,
+        use_local_updates=True,
+        average_opt_statistics=("exp_avg_sq",),
+        delay_state_averaging=False,  # each epoch's round done before the next local step
+    )
+    flat = [torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in models]
+    torch.testing.assert_close(flat[0], flat[1], rtol=0, atol=1e-6)
+    states = [[opt.opt.state[p] for p in opt.opt.param_groups[0]["params"]] for opt in opts]
+    for first, second in zip(*states, strict=True):
+        torch.testing.assert_close(first["exp_avg_sq"], second["exp_avg_sq"], rtol=0, atol=1e-9)
+    assert any(  # the moments not asked for stay each peer's own
+        not torch.allclose(first["exp_avg"], second["exp_avg"])
+        for first, second in zip(*states, strict=True)
+    )
+    for opt in opts:
+        torch.testing.assert_close(opt._extra[0], torch.full((3,), 2.0))
+    torch.testing.assert_close(joined[0], torch.full((3,), 2.0))
+    # A reference without the rounds: the two shards' local training really differs.
+    assert float((flat[0] - train_reference(1, EPOCHS)).abs().max()) > 1e-4
+
+
+def test_optimizer_statistics_are_created_without_moving_anything() -> None:
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+    before = [p.detach().clone() for p in model.parameters()]
+    initialize_statistics(opt, ("exp_avg", "exp_avg_sq"))
+    for param, old in zip(model.parameters(), before, strict=True):
+        assert torch.equal(param, old) and param.grad is None
+        assert float(opt.state[param]["step"]) == 0.0
+    with pytest.raises(ConfigError, match="help:.*exp_avg_sq"):
+        initialize_statistics(opt, ("momentum_buffer",))
 
 
 def test_state_averaging_needed() -> None:
@@ -156,14 +241,14 @@ def test_amp_scale_is_removed_and_overflow_halves_it() -> None:
             loss = torch.nn.functional.mse_loss(model(inputs), inputs[:, :2])
             scaler.scale(loss).backward()
             opt.step(batch_size=4, grad_scaler=scaler)
-            for accumulator, grad in zip(opt._accumulators, unscaled, strict=True):
+            for accumulator, grad in zip(opt._accumulated._sums, unscaled, strict=True):
                 torch.testing.assert_close(accumulator, grad * 4)
             opt.zero_grad()
             overflow = torch.nn.functional.mse_loss(model(inputs), inputs[:, :2]) * float("inf")
             scaler.scale(overflow).backward()
             opt.step(batch_size=4, grad_scaler=scaler)
             assert scaler.get_scale() == 2.0**7
-            assert opt._local_samples == 4
+            assert opt._accumulated.samples == 4
         finally:
             opt.shutdown()
 

@@ -1,0 +1,127 @@
+"""One averaging round of ``kit.Optimizer``, tagged with its epoch, and what its result means.
+
+Holds :func:`average_at_epoch` (blocking: form a group with the peers at the same epoch and
+all-reduce; safe to call from the optimizer's background thread with ``delay_grad_averaging``),
+:class:`RoundOutcome` and :func:`group_bits`. It does not hold the averager (``kit.averaging``)
+nor decides when a round is due (``kit.optim.progress``, ``kit.optim.optimizer``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import time
+
+from kit.averaging.averager import DecentralizedAverager, RoundResult
+from kit.errors import KitError, KitTimeout, TransientError
+from kit.optim.progress import ProgressTracker
+
+logger = logging.getLogger(__name__)
+
+POLL = 0.05  # s between checks of a running round against the collaboration's progress
+
+
+def group_bits(epoch: int) -> str:
+    """The matchmaking key of ``epoch``'s rounds (hivemind's group bits): peers at different
+    epochs never average together, so a late peer cannot mix stale gradients into a step."""
+    return format(epoch % 2**20, "020b")
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundOutcome:
+    """A gradient round's result, judged.
+
+    ``expected``: the peers the tracker saw at that epoch when it began; ``exact``: the codec
+    is lossless (then a full round leaves every member with bit-identical gradients).
+    """
+
+    epoch: int
+    result: RoundResult | None
+    expected: int
+    exact: bool
+
+    @property
+    def group_size(self) -> int:
+        return len(self.result) if self.result is not None else 0
+
+    @property
+    def identical(self) -> bool:
+        """Every peer we expected got the same, exact average: nobody drifted apart."""
+        result = self.result
+        return result is not None and result.is_full and self.exact and len(result) >= self.expected
+
+    @property
+    def incomplete(self) -> bool:
+        """Failed, partial, or with fewer peers than expected: our gradient differs from theirs."""
+        result = self.result
+        return result is None or not result.is_full or len(result) < self.expected
+
+    def log(self) -> None:
+        if self.result is None:
+            logger.warning(
+                "averaging failed at epoch %d: proceeding with the local gradients", self.epoch
+            )
+        elif not self.result.is_full:
+            logger.warning(
+                "averaging at epoch %d was partial: parts %s stay local",
+                self.epoch,
+                self.result.unaveraged_parts,
+            )
+
+
+def average_at_epoch(
+    averager: DecentralizedAverager,
+    tracker: ProgressTracker,
+    epoch: int,
+    weight: float,
+    *,
+    last_group_size: int,
+    matchmaking_time: float,
+    averaging_timeout: float,
+) -> tuple[RoundResult | None, int]:
+    """One round tagged with ``epoch``; returns the result (None: failed) and the peers expected.
+
+    It begins as soon as every peer the tracker sees at ``epoch`` is in, and gives up early when
+    the others already finished ``epoch``'s round without us.
+    """
+    averager.set_group_bits(group_bits(epoch))
+    # Everyone the tracker sees at our epoch (auxiliary peers included): begin when they are in.
+    expected = tracker.peers_at_epoch(epoch, with_samples=True)
+    if expected < 2:
+        # Only we reported samples: the others' reports have not reached us yet (the peers of
+        # our last round are surely coming: their records may still show the previous epoch),
+        # or nobody else is there at all.
+        expected = max(tracker.peers_at_epoch(epoch), last_group_size)
+    averager.set_target_group_size(expected if expected >= 2 else None)
+    # The timeout bounds the search for a group; the all-reduce has its own (allreduce_timeout).
+    search = 2 * matchmaking_time + 1.0
+    future = averager.step(weight=weight, timeout=search, wait=False)
+    if not isinstance(future, concurrent.futures.Future):  # step(wait=False) returns one
+        raise TypeError(f"averager.step(wait=False) returned {type(future).__name__}")
+    give_up = time.monotonic() + search + averaging_timeout + 30.0
+    while True:
+        try:
+            result = future.result(timeout=POLL)
+            break
+        except concurrent.futures.TimeoutError:
+            # Still looking while the others already finished this epoch's round (we were not
+            # in their view in time): nobody will come, stop now rather than time out.
+            moved_on = tracker.global_progress.epoch > epoch
+            if (moved_on and averager.is_looking_for_group) or time.monotonic() > give_up:
+                future.cancel()
+                logger.info("the others finished epoch %d's round without us", epoch)
+                return None, expected
+        except (TransientError, KitTimeout, KitError, concurrent.futures.CancelledError) as e:
+            logger.warning("averaging round failed: %s", e)
+            return None, expected
+    if result is not None:
+        logger.debug(
+            "%s: averaged with %d peers (full: %s) in %.2f + %.2f s",
+            averager.settings.prefix,
+            len(result),
+            result.is_full,
+            result.matchmaking_time,
+            result.allreduce_time,
+        )
+    return result, expected
