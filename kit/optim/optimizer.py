@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from kit.averaging.averager import DecentralizedAverager, RoundResult
+from kit.averaging.averager import DecentralizedAverager
 from kit.averaging.compression import CompressionBase, NoCompression
 from kit.errors import (
     ConfigError,
@@ -58,8 +58,9 @@ from kit.errors import (
 )
 from kit.optim.accumulation import GradientAccumulator
 from kit.optim.arguments import resolve_defaults, validate
+from kit.optim.global_step import GlobalStep
 from kit.optim.progress import GlobalProgress, ProgressTracker
-from kit.optim.rounds import RoundOutcome, average_at_epoch, group_bits
+from kit.optim.rounds import RoundOutcome, group_bits
 from kit.optim.sharing import StateSharing
 from kit.optim.state import StateServer, StateSnapshot
 from kit.optim.state_averaging import (
@@ -78,7 +79,7 @@ SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 MAX_FAST_FORWARD = 16  # further behind than this many epochs, a peer downloads the state first
 
 
-class Optimizer(StateSharing, torch.optim.Optimizer):
+class Optimizer(StateSharing, GlobalStep, torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` that trains together with every peer of ``run_id``.
 
     Args:
@@ -403,112 +404,6 @@ class Optimizer(StateSharing, torch.optim.Optimizer):
             if self.dht.is_alive():
                 self.dht.run_coroutine(stop)
 
-    # --- the global step ----------------------------------------------------------------------
-
-    def _global_step(self) -> None:
-        epoch = self.local_epoch
-        self._finish_optimizer_step(wait=None)  # one optimizer step in flight at a time
-        if self._prefetch is not None:  # in step with the others: the prefetched state is moot
-            self._prefetch.cancel()
-            self._prefetch = None
-        stepped = False
-        global_epoch = self.tracker.global_progress.epoch
-        if global_epoch > epoch and self._in_step:
-            # The others already took this step without us (our view of their progress lagged):
-            # a round tagged with our epoch would find nobody. Join the current epoch instead.
-            self._fast_forward(global_epoch)
-            return
-        samples = self._accumulated.samples
-        if self.use_local_updates:
-            stepped = False  # parameters are averaged by the state round (_after_update)
-        elif samples > 0:
-            with self.grad_averager.get_tensors() as buffers:
-                self._accumulated.mean_gradient(buffers)
-            if self.delay_grad_averaging:
-                self._delayed_global_step(epoch, samples)
-                return
-            result, expected = self._average_gradients(epoch, samples)
-            global_epoch = self.tracker.global_progress.epoch
-            if result is None and global_epoch > epoch and self._in_step:
-                self._fast_forward(global_epoch)  # our samples came too late for that step
-                return
-            self._outcome = RoundOutcome(epoch, result, expected, self._exact_gradients)
-            with self.grad_averager.get_tensors() as buffers:
-                self._inner.set_gradients(buffers, reuse_grad_buffers=self.reuse_grad_buffers)
-            stepped = True
-        else:
-            logger.info("no samples at epoch %d: waiting for the state of the next epoch", epoch)
-            self._set_drifted(True)  # the others step without us
-            stepped = False
-        self._next_epoch(epoch, clear_grads=False)
-        self._inner.step(stepped, self.scheduler, reuse_grad_buffers=self.reuse_grad_buffers)
-        if not self._inner.pending:
-            self._after_update()
-
-    def _delayed_global_step(self, epoch: int, samples: int) -> None:
-        """``delay_grad_averaging``: the round and the optimizer step run in the background thread
-        while this peer computes the next epoch's batches; the result lands at a safe point."""
-
-        def average() -> None:  # in the optimizer's thread
-            result, expected = self._average_gradients(epoch, samples)
-            self._outcome = RoundOutcome(epoch, result, expected, self._exact_gradients)
-            with self.grad_averager.get_tensors() as buffers:
-                self._inner.set_gradients(buffers, reuse_grad_buffers=False)
-
-        # Until the round is over the others must still see us at its epoch: a peer at the next
-        # one tells them the round is done, and a peer still looking for its group gives up.
-        self._held_report = (epoch, samples)
-        self._inner.step(True, self.scheduler, reuse_grad_buffers=False, before=average)
-        self._next_epoch(epoch, clear_grads=True)  # .grad is ours again: the mean is taken
-
-    def _next_epoch(self, epoch: int, *, clear_grads: bool) -> None:
-        self.local_epoch = epoch + 1
-        self._in_step = True
-        self._accumulated.reset(clear_grads=clear_grads)
-        self._report_progress()
-        if self.verbose:
-            logger.info(
-                "epoch %d done (%d peers)", self.local_epoch, self.tracker.global_progress.num_peers
-            )
-
-    def _report_progress(self) -> None:
-        held = self._held_report
-        if held is not None and self._inner.pending:
-            self.tracker.report_local_progress(*held)
-        else:
-            self._held_report = None
-            self.tracker.report_local_progress(self.local_epoch, self._accumulated.samples)
-
-    def _average_gradients(self, epoch: int, samples: int) -> tuple[RoundResult | None, int]:
-        return average_at_epoch(
-            self.grad_averager,
-            self.tracker,
-            epoch,
-            float(samples),
-            last_group_size=self._last_group_size,
-            matchmaking_time=self.matchmaking_time,
-            averaging_timeout=self.averaging_timeout,
-        )
-
-    def _conclude_round(self) -> None:
-        """Judge the last gradient round (at a safe point, in the caller's thread)."""
-        outcome, self._outcome = self._outcome, None
-        if outcome is None:
-            return
-        outcome.log()
-        if not outcome.identical:
-            self._set_drifted(True)
-        self._last_group_size = outcome.group_size
-        # A round that failed or stayed partial while we keep our epoch leaves us with other
-        # gradients than the rest, so our optimizer statistics (Adam's moments) differ too, and
-        # parameter averaging alone would let the parameters drift apart again at every step
-        # (seen in tests/netsim/test_churn.py). Fetch an exact copy of the state of the peers
-        # whose round went through, in the background.
-        others = self.tracker.global_progress.num_peers > 1
-        if outcome.incomplete and others and self._catch_up is None:
-            self._catch_up_tries = 0
-            self._start_catch_up()
-
     def _finish_optimizer_step(self, wait: float | None) -> None:
         """Apply a delayed optimizer step if it is over (``wait``: as ``InnerOptimizer.finish``)."""
         if self._inner.finish(wait):
@@ -577,15 +472,7 @@ class Optimizer(StateSharing, torch.optim.Optimizer):
         if progress.epoch > self.local_epoch:
             self.local_epoch = progress.epoch
         if progress.ready:
-            average_at_epoch(
-                self.grad_averager,
-                self.tracker,
-                self.local_epoch,
-                0.0,
-                last_group_size=self._last_group_size,
-                matchmaking_time=self.matchmaking_time,
-                averaging_timeout=self.averaging_timeout,
-            )
+            self._average_gradients(self.local_epoch, 0)  # weight 0: it brings no samples
             self.local_epoch = progress.epoch + 1
             self.tracker.report_local_progress(self.local_epoch, 0)
         else:

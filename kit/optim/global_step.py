@@ -1,0 +1,167 @@
+"""The global step of ``kit.Optimizer``: one gradient round per epoch, then the optimizer's step.
+
+Holds :class:`GlobalStep` (a mixin of ``kit.Optimizer``: it uses the optimizer's fields), which
+takes the step when the collaboration reached the target batch: this peer's mean gradient goes
+into a round tagged with its epoch (``kit.optim.rounds``), the averaged gradient into the inner
+optimizer (``kit.optim.stepping``), and the round's outcome is judged at the next safe point
+(drift flags, a background state refresh after a failed or partial round). With
+``delay_grad_averaging`` the round and the step run in the optimizer's thread while the next
+batches compute. It does not hold parameter averaging (``kit.optim.state_averaging``) nor state
+downloads (``kit.optim.sharing``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from typing import TYPE_CHECKING, Any
+
+from kit.averaging.averager import DecentralizedAverager, RoundResult
+from kit.optim.accumulation import GradientAccumulator
+from kit.optim.progress import ProgressTracker
+from kit.optim.rounds import RoundOutcome, average_at_epoch
+from kit.optim.state import StateSnapshot
+from kit.optim.stepping import InnerOptimizer
+
+logger = logging.getLogger(__name__)
+
+
+class GlobalStep:
+    """``kit.Optimizer``'s global step (a mixin: it uses the optimizer's fields)."""
+
+    local_epoch: int
+    scheduler: Any
+    use_local_updates: bool
+    reuse_grad_buffers: bool
+    delay_grad_averaging: bool
+    verbose: bool
+    matchmaking_time: float
+    averaging_timeout: float
+    tracker: ProgressTracker
+    grad_averager: DecentralizedAverager
+    _inner: InnerOptimizer
+    _accumulated: GradientAccumulator
+    _exact_gradients: bool
+    _in_step: bool
+    _last_group_size: int
+    _outcome: RoundOutcome | None
+    _held_report: tuple[int, int] | None
+    _prefetch: concurrent.futures.Future[StateSnapshot | None] | None
+    _catch_up: concurrent.futures.Future[StateSnapshot | None] | None
+    _catch_up_tries: int
+
+    if TYPE_CHECKING:  # provided by kit.Optimizer and StateSharing (no stubs at run time)
+
+        def _finish_optimizer_step(self, wait: float | None) -> None: ...
+
+        def _after_update(self) -> None: ...
+
+        def _fast_forward(self, epoch: int) -> None: ...
+
+        def _start_catch_up(self) -> None: ...
+
+        def _set_drifted(self, drifted: bool) -> None: ...
+
+    def _global_step(self) -> None:
+        epoch = self.local_epoch
+        self._finish_optimizer_step(wait=None)  # one optimizer step in flight at a time
+        if self._prefetch is not None:  # in step with the others: the prefetched state is moot
+            self._prefetch.cancel()
+            self._prefetch = None
+        stepped = False
+        global_epoch = self.tracker.global_progress.epoch
+        if global_epoch > epoch and self._in_step:
+            # The others already took this step without us (our view of their progress lagged):
+            # a round tagged with our epoch would find nobody. Join the current epoch instead.
+            self._fast_forward(global_epoch)
+            return
+        samples = self._accumulated.samples
+        if self.use_local_updates:
+            stepped = False  # parameters are averaged by the state round (_after_update)
+        elif samples > 0:
+            with self.grad_averager.get_tensors() as buffers:
+                self._accumulated.mean_gradient(buffers)
+            if self.delay_grad_averaging:
+                self._delayed_global_step(epoch, samples)
+                return
+            result, expected = self._average_gradients(epoch, samples)
+            global_epoch = self.tracker.global_progress.epoch
+            if result is None and global_epoch > epoch and self._in_step:
+                self._fast_forward(global_epoch)  # our samples came too late for that step
+                return
+            self._outcome = RoundOutcome(epoch, result, expected, self._exact_gradients)
+            with self.grad_averager.get_tensors() as buffers:
+                self._inner.set_gradients(buffers, reuse_grad_buffers=self.reuse_grad_buffers)
+            stepped = True
+        else:
+            logger.info("no samples at epoch %d: waiting for the state of the next epoch", epoch)
+            self._set_drifted(True)  # the others step without us
+            stepped = False
+        self._next_epoch(epoch, clear_grads=False)
+        self._inner.step(stepped, self.scheduler, reuse_grad_buffers=self.reuse_grad_buffers)
+        if not self._inner.pending:
+            self._after_update()
+
+    def _delayed_global_step(self, epoch: int, samples: int) -> None:
+        """``delay_grad_averaging``: the round and the optimizer step run in the background thread
+        while this peer computes the next epoch's batches; the result lands at a safe point."""
+
+        def average() -> None:  # in the optimizer's thread
+            result, expected = self._average_gradients(epoch, samples)
+            self._outcome = RoundOutcome(epoch, result, expected, self._exact_gradients)
+            with self.grad_averager.get_tensors() as buffers:
+                self._inner.set_gradients(buffers, reuse_grad_buffers=False)
+
+        # Until the round is over the others must still see us at its epoch: a peer at the next
+        # one tells them the round is done, and a peer still looking for its group gives up.
+        self._held_report = (epoch, samples)
+        self._inner.step(True, self.scheduler, reuse_grad_buffers=False, before=average)
+        self._next_epoch(epoch, clear_grads=True)  # .grad is ours again: the mean is taken
+
+    def _next_epoch(self, epoch: int, *, clear_grads: bool) -> None:
+        self.local_epoch = epoch + 1
+        self._in_step = True
+        self._accumulated.reset(clear_grads=clear_grads)
+        self._report_progress()
+        if self.verbose:
+            logger.info(
+                "epoch %d done (%d peers)", self.local_epoch, self.tracker.global_progress.num_peers
+            )
+
+    def _report_progress(self) -> None:
+        held = self._held_report
+        if held is not None and self._inner.pending:
+            self.tracker.report_local_progress(*held)
+        else:
+            self._held_report = None
+            self.tracker.report_local_progress(self.local_epoch, self._accumulated.samples)
+
+    def _average_gradients(self, epoch: int, samples: int) -> tuple[RoundResult | None, int]:
+        return average_at_epoch(
+            self.grad_averager,
+            self.tracker,
+            epoch,
+            float(samples),
+            last_group_size=self._last_group_size,
+            matchmaking_time=self.matchmaking_time,
+            averaging_timeout=self.averaging_timeout,
+        )
+
+    def _conclude_round(self) -> None:
+        """Judge the last gradient round (at a safe point, in the caller's thread)."""
+        outcome, self._outcome = self._outcome, None
+        if outcome is None:
+            return
+        outcome.log()
+        if not outcome.identical:
+            self._set_drifted(True)
+        self._last_group_size = outcome.group_size
+        # A round that failed or stayed partial while we keep our epoch leaves us with other
+        # gradients than the rest, so our optimizer statistics (Adam's moments) differ too, and
+        # parameter averaging alone would let the parameters drift apart again at every step
+        # (seen in tests/netsim/test_churn.py). Fetch an exact copy of the state of the peers
+        # whose round went through, in the background.
+        others = self.tracker.global_progress.num_peers > 1
+        if outcome.incomplete and others and self._catch_up is None:
+            self._catch_up_tries = 0
+            self._start_catch_up()
