@@ -160,8 +160,10 @@ class GlobalStep:
         # gradients than the rest, so our optimizer statistics (Adam's moments) differ too, and
         # parameter averaging alone would let the parameters drift apart again at every step
         # (seen in tests/netsim/test_churn.py). Fetch an exact copy of the state of the peers
-        # whose round went through, in the background.
+        # whose round went through, in the background. (A full round with fewer peers than
+        # expected left its members identical to each other: the missing peer is the one to
+        # refresh; drift flags bring parameter averaging for the rest.)
         others = self.tracker.global_progress.num_peers > 1
-        if outcome.incomplete and others and self._catch_up is None:
+        if outcome.failed_or_partial and others and self._catch_up is None:
             self._catch_up_tries = 0
             self._start_catch_up()

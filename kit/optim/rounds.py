@@ -52,10 +52,9 @@ class RoundOutcome:
         return result is not None and result.is_full and self.exact and len(result) >= self.expected
 
     @property
-    def incomplete(self) -> bool:
-        """Failed, partial, or with fewer peers than expected: our gradient differs from theirs."""
-        result = self.result
-        return result is None or not result.is_full or len(result) < self.expected
+    def failed_or_partial(self) -> bool:
+        """Our gradient (or part of it) stayed local: it differs from everyone else's."""
+        return self.result is None or not self.result.is_full
 
     def log(self) -> None:
         if self.result is None:

@@ -66,6 +66,7 @@ class StateSharing:
     _catch_up_base: list[torch.Tensor]
     _catch_up_epoch: int
     _catch_up_tries: int
+    _drifted: bool
 
     def _finish_optimizer_step(self, wait: float | None) -> None:
         raise NotImplementedError
@@ -226,8 +227,10 @@ class StateSharing:
             logger.warning("cannot share the training state: %s", e)
             return
 
+        drifted = self._drifted
+
         async def publish(_: Any, node: Any) -> None:
-            await self._state_server.publish(snapshot)
+            await self._state_server.publish(snapshot, drifted=drifted)
 
         self.dht.run_coroutine(publish, return_future=True)
 

@@ -8,7 +8,9 @@ retries forever on failure (#653) and breaks on a donor that leaves mid-way (#50
   (so serving never races with training) and advertises it in the DHT (owner-signed:
   ``{run_id}_state_donors``);
 * a joiner takes the newest epoch, fetches the metadata (structure, tensor headers, SHA-256
-  digest) from up to three donors and keeps the digest most of them agree on;
+  digest) from up to three donors and keeps the digest most of them agree on (ties broken the
+  same way on every peer); donors that are in sync (their last round was full and exact) are
+  asked before *drifted* ones (a failed round left them with their own gradient applied);
 * it downloads the tensors **in parallel** from those donors, each tensor validated against the
   announced header (dtype, shape, size) before allocation; a donor that fails or disappears costs
   its share being reassigned to another donor, never a hang past ``timeout``;
@@ -200,7 +202,8 @@ class StateServer:
         node.add_validators([self._validator])
         peer.add_stream_handler(self.protocol, self._serve)
 
-    async def publish(self, snapshot: StateSnapshot) -> None:
+    async def publish(self, snapshot: StateSnapshot, *, drifted: bool = False) -> None:
+        """Serve ``snapshot`` and advertise it (``drifted``: it may differ from the others')."""
         old = self.snapshot
         if old is not None and old is not snapshot and old.digest:
             self.previous = old
@@ -208,6 +211,7 @@ class StateServer:
         value = {
             "peer_id": self.peer.peer_id.to_bytes(),
             "epoch": snapshot.epoch,
+            "drifted": drifted,
             "addresses": self.peer.get_visible_addresses()[:4],
         }
         try:
@@ -252,6 +256,7 @@ class StateServer:
 class Donor:
     peer_id: PeerID
     epoch: int
+    drifted: bool = False  # its parameters may differ from the collaboration's
 
 
 async def find_donors(node: DHTNode, peer: PeerAPI, prefix: str) -> list[Donor]:
@@ -264,6 +269,7 @@ async def find_donors(node: DHTNode, peer: PeerAPI, prefix: str) -> list[Donor]:
             try:
                 peer_id = PeerID(bytes(body["peer_id"]))
                 epoch = int(body["epoch"])
+                drifted = bool(body.get("drifted", False))
                 addresses = [str(a) for a in body.get("addresses", [])][:4]
             except (KeyError, TypeError, ValueError):
                 continue
@@ -274,8 +280,8 @@ async def find_donors(node: DHTNode, peer: PeerAPI, prefix: str) -> list[Donor]:
                     peer.add_address(peer_id, address)
                 except ValueError:
                     pass
-            donors.append(Donor(peer_id, epoch))
-    return sorted(donors, key=lambda d: -d.epoch)
+            donors.append(Donor(peer_id, epoch, drifted))
+    return sorted(donors, key=lambda d: (-d.epoch, d.drifted))
 
 
 async def download_state(
@@ -300,7 +306,14 @@ async def download_state(
         # The newest state first; if all its donors are gone (their records outlive them for a
         # while), the next newest rather than nothing.
         candidates = [d for d in donors if d.epoch == epoch]
-        metas = await _fetch_metas(peer, candidates[: MAX_DONORS * 2], protocol, loop, deadline)
+        # In-sync donors hold the collaboration's state; a drifted one only its own: ask it
+        # only if no in-sync donor answers.
+        for drifted in (False, True):
+            group = [d for d in candidates if d.drifted == drifted][: MAX_DONORS * 2]
+            if group:
+                metas = await _fetch_metas(peer, group, protocol, loop, deadline)
+            if metas or _left(loop, deadline) <= 0:
+                break
         if metas or _left(loop, deadline) <= 0:
             break
     if not metas:
@@ -308,7 +321,9 @@ async def download_state(
             "no peer could share its state - help: check that other peers are running"
         )
     digests = [m["digest"] for m in metas.values()]
-    digest = max(set(digests), key=digests.count)
+    # The most common digest; on a tie the smallest, so that peers asking the same donors pick
+    # the same state (a random pick let two halves of a split collaboration swap states).
+    digest = min(set(digests), key=lambda d: (-digests.count(d), d))
     meta = next(m for m in metas.values() if m["digest"] == digest)
     headers = [TensorHeader.from_dict(h, limits) for h in meta["headers"]]
     sources = [p for p, m in metas.items() if m["digest"] == digest]

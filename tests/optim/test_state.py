@@ -120,3 +120,33 @@ async def test_only_bad_donors_fail_clearly() -> None:
         await download_state(joiner, [Donor(peer.peer_id, 1)], "run", timeout=10)
     with pytest.raises(StateDownloadFailed, match="help:"):
         await download_state(joiner, [], "run", timeout=1)
+
+
+async def serve(network: MemoryNetwork, joiner: Any, snapshot: StateSnapshot) -> Any:
+    peer = await network.create_peer()
+    server = StateServer(peer, NoDHT(), "run", peer.identity)  # type: ignore[arg-type]
+    server.snapshot = snapshot
+    joiner.add_address(peer.peer_id, peer.get_visible_addresses()[0])
+    return peer.peer_id
+
+
+async def test_in_sync_donors_are_preferred_and_ties_broken_the_same_everywhere() -> None:
+    network = MemoryNetwork()
+    joiner = await network.create_peer()
+    state = training_state()
+    ours = StateSnapshot.capture(5, state)  # what the peers of a full round hold
+    state["params"][0] = state["params"][0] + 1
+    own = StateSnapshot.capture(5, state)  # what a peer whose round failed holds
+    drifted = [await serve(network, joiner, own) for _ in range(2)]
+    in_sync = await serve(network, joiner, ours)
+    donors = [Donor(p, 5, drifted=True) for p in drifted] + [Donor(in_sync, 5)]
+    received = await download_state(joiner, donors, "run", timeout=20)
+    assert received.digest == ours.digest  # not the majority of the drifted ones
+    # Only drifted donors: still served. Two in-sync halves disagreeing: every joiner picks
+    # the same (the smallest digest), whichever answers first.
+    received = await download_state(joiner, donors[:2], "run", timeout=20)
+    assert received.digest == own.digest
+    halves = [Donor(in_sync, 5), Donor(drifted[0], 5)]
+    for order in (halves, halves[::-1]):
+        received = await download_state(joiner, order, "run", timeout=20)
+        assert received.digest == min(str(ours.digest), str(own.digest))
