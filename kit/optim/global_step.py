@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from kit.averaging.averager import DecentralizedAverager, RoundResult
@@ -46,6 +47,7 @@ class GlobalStep:
     _last_group_size: int
     _outcome: RoundOutcome | None
     _held_report: tuple[int, int] | None
+    _hold_until: float
     _prefetch: concurrent.futures.Future[StateSnapshot | None] | None
     _catch_up: concurrent.futures.Future[StateSnapshot | None] | None
     _catch_up_tries: int
@@ -89,6 +91,12 @@ class GlobalStep:
             if result is None and global_epoch > epoch and self._in_step:
                 self._fast_forward(global_epoch)  # our samples came too late for that step
                 return
+            if result is None:
+                # We step on our own gradient, but others may still be in this epoch's round:
+                # seeing us at the next epoch, they would take the round for finished and
+                # leave it. Stay at this epoch in their view until they are done.
+                self._held_report = (epoch, samples)
+                self._hold_until = time.monotonic() + self._round_search_time()
             self._outcome = RoundOutcome(epoch, result, expected, self._exact_gradients)
             with self.grad_averager.get_tensors() as buffers:
                 self._inner.set_gradients(buffers, reuse_grad_buffers=self.reuse_grad_buffers)
@@ -115,6 +123,7 @@ class GlobalStep:
         # Until the round is over the others must still see us at its epoch: a peer at the next
         # one tells them the round is done, and a peer still looking for its group gives up.
         self._held_report = (epoch, samples)
+        self._hold_until = 0.0  # ...and, should it fail, as above (_conclude_round)
         self._inner.step(True, self.scheduler, reuse_grad_buffers=False, before=average)
         self._next_epoch(epoch, clear_grads=True)  # .grad is ours again: the mean is taken
 
@@ -129,12 +138,20 @@ class GlobalStep:
             )
 
     def _report_progress(self) -> None:
+        """Publish our progress, or the held report of a round still running (or failed while
+        other peers are still in it: bounded by the time a round may search for its group)."""
         held = self._held_report
-        if held is not None and self._inner.pending:
+        if held is not None and (
+            self._inner.pending
+            or (time.monotonic() < self._hold_until and self.tracker.others_at_epoch(held[0]) > 0)
+        ):
             self.tracker.report_local_progress(*held)
         else:
             self._held_report = None
             self.tracker.report_local_progress(self.local_epoch, self._accumulated.samples)
+
+    def _round_search_time(self) -> float:
+        return 2 * self.matchmaking_time + 1.0  # as average_at_epoch's search
 
     def _average_gradients(self, epoch: int, samples: int) -> tuple[RoundResult | None, int]:
         return average_at_epoch(
@@ -153,6 +170,8 @@ class GlobalStep:
         if outcome is None:
             return
         outcome.log()
+        if outcome.result is None and self._held_report is not None:
+            self._hold_until = time.monotonic() + self._round_search_time()  # see _global_step
         if not outcome.identical:
             self._set_drifted(True)
         self._last_group_size = outcome.group_size

@@ -208,6 +208,7 @@ class Optimizer(StateSharing, GlobalStep, torch.optim.Optimizer):
         self._last_group_size = 0  # of the last gradient round (0: none, or it failed)
         self._outcome: RoundOutcome | None = None  # of a background gradient round, to conclude
         self._held_report: tuple[int, int] | None = None  # published while that round runs
+        self._hold_until = 0.0  # and after it failed, until then at most (monotonic time)
         self._catch_up_base: list[torch.Tensor] = []  # our parameters when a catch-up began
         self._catch_up_epoch = 0  # and our epoch then
         self._catch_up_tries = 0  # downloads since we fell behind
@@ -412,9 +413,7 @@ class Optimizer(StateSharing, GlobalStep, torch.optim.Optimizer):
     def _after_update(self) -> None:
         """At a safe point after an optimizer step: judge its round, share it, average it."""
         self._conclude_round()
-        if self._held_report is not None:
-            self._held_report = None
-            self._report_progress()
+        self._report_progress()  # a report held while the round ran may go now
         self._publish_state()
         needed = state_averaging_needed(
             self.local_epoch,

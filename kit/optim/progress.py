@@ -260,6 +260,10 @@ class ProgressTracker:
 
         return sum(1 for r in self._others if counts(r)) + (1 if counts(self.local) else 0)
 
+    def others_at_epoch(self, epoch: int) -> int:
+        """Other training peers (not auxiliary) whose last record is at ``epoch``."""
+        return sum(1 for r in self._others if r.epoch == epoch and not r.auxiliary)
+
     @property
     def ready_to_update_epoch(self) -> bool:
         """The collaboration has the target batch for our epoch, or has moved past it."""

@@ -38,6 +38,7 @@ from kit.optim.stepping import InnerOptimizer
 logger = logging.getLogger(__name__)
 
 CATCH_UP_TIMEOUT = 60.0  # a background catch-up download gives up after this (drift is flagged)
+DONOR_POLL = 0.5  # s between looks for a donor of a recent enough state
 CATCH_UP_TRIES = 5  # downloads trying to land on our epoch exactly, before leaving it to averaging
 
 SnapshotFuture = concurrent.futures.Future[StateSnapshot | None]
@@ -170,7 +171,11 @@ class StateSharing:
     def _start_catch_up(self) -> None:
         self._catch_up_epoch = self.local_epoch
         self._catch_up_base = [p.detach().float().cpu().clone() for p in self._params]
-        self._catch_up = self._download(min(CATCH_UP_TIMEOUT, self.load_state_timeout))
+        # A state of our epoch at least: right after our round failed, the others may still be
+        # in theirs, advertising the previous epoch's state, which would be of no use.
+        self._catch_up = self._download(
+            min(CATCH_UP_TIMEOUT, self.load_state_timeout), min_epoch=self.local_epoch
+        )
 
     def _cancel_catch_up(self) -> None:
         if self._catch_up is not None:
@@ -178,11 +183,12 @@ class StateSharing:
             self._catch_up = None
 
     def _download(
-        self, timeout: float, *, only_if_running: bool = False
+        self, timeout: float, *, only_if_running: bool = False, min_epoch: int = 0
     ) -> concurrent.futures.Future[StateSnapshot | None]:
         """Start downloading the newest state from peers (on the runtime loop).
 
         ``only_if_running``: None at once if no peer advertises a state past epoch 0.
+        ``min_epoch``: wait (until the timeout, then None) for a donor at this epoch or later.
         """
 
         async def fetch(_: Any, node: Any) -> StateSnapshot | None:
@@ -194,6 +200,11 @@ class StateSharing:
                 donors = await find_donors(node, node.peer, self.run_id)
                 if only_if_running and not any(d.epoch > 0 for d in donors):
                     return None
+                if min_epoch > 0 and not any(d.epoch >= min_epoch for d in donors):
+                    if loop.time() + DONOR_POLL > deadline:
+                        return None
+                    await asyncio.sleep(DONOR_POLL)
+                    continue
                 try:
                     return await download_state(
                         node.peer, donors, self.run_id, timeout=deadline - loop.time()

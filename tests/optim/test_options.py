@@ -7,6 +7,7 @@ averaged optimizer statistics and extra tensors, and an auxiliary peer joining a
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -40,13 +41,18 @@ def make_optimizer(dht: Any, model: torch.nn.Module, target: int, **options: Any
 
 
 def train_exactly(
-    opt: kit.Optimizer, model: torch.nn.Module, peer: int, amp: bool, errors: list[BaseException]
+    opt: kit.Optimizer,
+    model: torch.nn.Module,
+    peer: int,
+    amp: bool,
+    errors: list[BaseException],
+    epochs: int = EPOCHS,
 ) -> None:
     """Each epoch: this peer's shard, then wait for the global step (and a delayed one to land)."""
     try:
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if amp else None
         deadline = time.monotonic() + 120
-        for epoch in range(EPOCHS):
+        for epoch in range(epochs):
             for inputs, targets in micro_batches(peer, epoch):
                 loss = torch.nn.functional.mse_loss(model(inputs), targets)
                 (scaler.scale(loss) if scaler is not None else loss).backward()
@@ -192,6 +198,69 @@ def test_local_updates_average_parameters_named_statistics_and_extra_tensors() -
     torch.testing.assert_close(joined[0], torch.full((3,), 2.0))
     # A reference without the rounds: the two shards' local training really differs.
     assert float((flat[0] - train_reference(1, EPOCHS)).abs().max()) > 1e-4
+
+
+@pytest.mark.async_timeout(200)
+def test_a_peer_whose_round_failed_fetches_the_others_state() -> None:
+    """Three peers; peer 0's gradient round fails once (it steps on its own gradient). The other
+    two average without it (it keeps showing the failed epoch until they are done, so they do not
+    take their round for over). Peer 0 then downloads their state in the background, so all three
+    end with the same parameters *and* Adam moments (parameter averaging alone would leave its
+    moments apart; it is off here), and nobody got stuck."""
+    with contextlib.ExitStack() as stack:
+        first = stack.enter_context(kit.DHT(host="127.0.0.1", client_mode=False))
+        address = first.get_visible_maddrs()[0]
+        dhts = [first] + [
+            stack.enter_context(
+                kit.DHT(initial_peers=[address], host="127.0.0.1", client_mode=False)
+            )
+            for _ in range(2)
+        ]
+        models = [make_model() for _ in dhts]
+        opts = [
+            # No parameter rounds: only the state download can bring peer 0 back in line.
+            make_optimizer(dht, model, target_batch_size(3), average_state_every=0)
+            for dht, model in zip(dhts, models, strict=True)
+        ]
+        failed: list[int] = []
+        average = opts[0]._average_gradients
+
+        def fail_once(epoch: int, samples: int) -> Any:
+            if epoch == 1 and not failed:
+                failed.append(epoch)
+                return None, 3  # as if its group never formed
+            return average(epoch, samples)
+
+        opts[0]._average_gradients = fail_once  # type: ignore[method-assign]
+        errors: list[BaseException] = []
+        threads = [
+            threading.Thread(target=train_exactly, args=(opt, model, peer, False, errors, 6))
+            for peer, (opt, model) in enumerate(zip(opts, models, strict=True))
+        ]
+        try:
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(150)
+            deadline = time.monotonic() + 30
+            while opts[0]._catch_up is not None and time.monotonic() < deadline:
+                opts[0].step(batch_size=0)  # let the download land
+                time.sleep(0.05)
+            # The other two took every epoch's round, the failed one too (without peer 0).
+            rounds = [opt.grad_averager.statistics()["full_rounds"] for opt in opts[1:]]
+        finally:
+            for opt in opts:
+                opt.shutdown()
+    assert not errors, errors
+    assert failed == [1] and rounds == [6, 6]
+    flat = [torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in models]
+    for other in flat[1:]:
+        torch.testing.assert_close(flat[0], other, rtol=1e-6, atol=1e-7)
+    moments = [
+        torch.cat([opt.opt.state[p]["exp_avg_sq"].reshape(-1) for p in opt._params]) for opt in opts
+    ]
+    for other in moments[1:]:
+        torch.testing.assert_close(moments[0], other, rtol=1e-6, atol=1e-12)
 
 
 def test_optimizer_statistics_are_created_without_moving_anything() -> None:
