@@ -71,6 +71,26 @@ def train_exactly(
         errors.append(e)
 
 
+def train_all(
+    opts: Sequence[kit.Optimizer],
+    models: Sequence[torch.nn.Module],
+    *,
+    amp: bool = False,
+    epochs: int = EPOCHS,
+) -> None:
+    """Every peer trains its shard in a thread of its own (``train_exactly``); re-raises errors."""
+    errors: list[BaseException] = []
+    threads = [
+        threading.Thread(target=train_exactly, args=(opt, model, peer, amp, errors, epochs))
+        for peer, (opt, model) in enumerate(zip(opts, models, strict=True))
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(150)
+    assert not errors, errors
+
+
 def run_pair(
     extra: Sequence[Sequence[torch.Tensor]] = ((), ()),
     after: Callable[[list[kit.Optimizer], str], None] | None = None,
@@ -89,17 +109,8 @@ def run_pair(
                 make_optimizer(dht, model, target_batch_size(2), extra_tensors=tensors, **options)
                 for dht, model, tensors in zip((first, second), models, extra, strict=True)
             ]
-            errors: list[BaseException] = []
-            threads = [
-                threading.Thread(target=train_exactly, args=(opt, model, peer, amp, errors))
-                for peer, (opt, model) in enumerate(zip(opts, models, strict=True))
-            ]
             try:
-                for thread in threads:
-                    thread.start()
-                for thread in threads:
-                    thread.join(150)
-                assert not errors, errors
+                train_all(opts, models, amp=amp)
                 stats = [opt.state_averager.statistics() for opt in opts]
                 if after is not None:
                     after(opts, address)
@@ -232,16 +243,8 @@ def test_a_peer_whose_round_failed_fetches_the_others_state() -> None:
             return average(epoch, samples)
 
         opts[0]._average_gradients = fail_once  # type: ignore[method-assign]
-        errors: list[BaseException] = []
-        threads = [
-            threading.Thread(target=train_exactly, args=(opt, model, peer, False, errors, 6))
-            for peer, (opt, model) in enumerate(zip(opts, models, strict=True))
-        ]
         try:
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(150)
+            train_all(opts, models, epochs=6)
             deadline = time.monotonic() + 30
             while opts[0]._catch_up is not None and time.monotonic() < deadline:
                 opts[0].step(batch_size=0)  # let the download land
@@ -251,7 +254,6 @@ def test_a_peer_whose_round_failed_fetches_the_others_state() -> None:
         finally:
             for opt in opts:
                 opt.shutdown()
-    assert not errors, errors
     assert failed == [1] and rounds == [6, 6]
     flat = [torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in models]
     for other in flat[1:]:
