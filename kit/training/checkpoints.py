@@ -49,6 +49,7 @@ from kit.errors import (
     CheckpointError,
     CheckpointRestoreFailed,
     KitUsageError,
+    MalformedTrainingState,
 )
 from kit.evaluation.checkpoints import (
     CHECKPOINT_FOLDER_FORMAT,
@@ -58,6 +59,7 @@ from kit.evaluation.checkpoints import (
 )
 from kit.training.training_state import (
     TRAINING_STATE_JSON,
+    SavedTrainingState,
     load_training_state,
     write_training_state,
 )
@@ -465,21 +467,41 @@ class CheckpointManager:
 
         With no local checkpoint and a ``hub_repo``, the repo's head is downloaded into the
         checkpoint folder (as ``step_XXXXXX``). A missing or empty repo means a fresh run (None).
+        A local checkpoint whose training state is corrupt (a disk error, an edit by hand) is
+        skipped with a warning for the next older one.
 
         Returns:
             The restored checkpoint, or None when there is nothing to resume from.
 
         Raises:
-            MalformedTrainingState: the newest checkpoint's training state is corrupt.
+            MalformedTrainingState: every local checkpoint is corrupt (the newest one's error),
+                or the Hub's is.
             CheckpointRestoreFailed: the Hub could not be reached or refused the token (we do
                 not silently start from scratch over a run that has checkpoints).
         """
-        folder, source = self.latest(), "local"
-        if folder is None and self.config.hub_repo is not None:
-            folder, source = self._download_latest(), "hub"
-        if folder is None:
+        local = [folder for _, folder in reversed(_complete_checkpoints(self.root))]
+        first_error: MalformedTrainingState | None = None
+        for folder in local:
+            try:
+                loaded = load_training_state(folder)
+            except MalformedTrainingState as exc:
+                logger.warning("checkpoint %s is unreadable, trying an older one: %s", folder, exc)
+                first_error = first_error or exc
+                continue
+            return self._restored(folder, "local", loaded)
+        if first_error is not None:
+            raise first_error  # we do not silently start over, nor fetch the Hub over local work
+        if self.config.hub_repo is None:
             return None
-        step, optimizer_state, scheduler_state, info = load_training_state(folder)
+        downloaded = self._download_latest()
+        if downloaded is None:
+            return None
+        return self._restored(downloaded, "hub", load_training_state(downloaded))
+
+    def _restored(
+        self, folder: Path, source: str, loaded: SavedTrainingState
+    ) -> RestoredCheckpoint:
+        step, optimizer_state, scheduler_state, info = loaded
         if self._run_config is not None and info.get("config_hash") not in (
             None,
             self._run_config.config_hash(),

@@ -442,6 +442,21 @@ def test_restore_prefers_local_and_starts_fresh_without_a_repo(
     assert restored is not None and (restored.source, restored.step) == ("local", 7)
 
 
+def test_restore_skips_a_corrupt_newest_checkpoint_for_an_older_one(
+    tmp_path: Path, trained: Run, caplog: pytest.LogCaptureFixture
+) -> None:
+    trained.save(tmp_path, 7)
+    newest = trained.save(tmp_path, 9)
+    (newest / "training_state.safetensors").write_bytes(b"\x08" * 20)  # a bad disk block
+    with caplog.at_level("WARNING", logger="kit.training.checkpoints"):
+        restored = _manager(tmp_path).restore()
+    assert restored is not None and (restored.source, restored.step) == ("local", 7)
+    assert "step_000009 is unreadable" in caplog.text
+    (tmp_path / "step_000007" / "training_state.json").write_text("{not json")
+    with pytest.raises(MalformedTrainingState, match="help:"):  # never a silent fresh start
+        _manager(tmp_path).restore()
+
+
 @pytest.mark.sockets
 def test_restore_refuses_to_start_over_when_the_hub_refuses(
     tmp_path: Path, trained: Run, hub: FakeHub
