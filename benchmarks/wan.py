@@ -45,7 +45,14 @@ import time
 from collections.abc import Sequence
 
 from kit.errors import NetnsUnavailable
-from kit.testing.netsim import HostSpec, LinkShape, NetSim, check_available, read_line
+from kit.testing.netsim import (
+    DEFAULT_CONGESTION_CONTROL,
+    HostSpec,
+    LinkShape,
+    NetSim,
+    check_available,
+    read_line,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEER = "tests.netsim.peer"
@@ -169,6 +176,7 @@ def measure_averaging(
     rounds: int,
     hivemind_python: str | None,
     only_scenario_1: bool = False,
+    congestion_control: str | None = DEFAULT_CONGESTION_CONTROL,
 ) -> dict[str, object]:
     """Issue 10's scenarios 1 (equal links, and hivemind on them) and 2 (one fast peer)."""
     sys.path.insert(0, ROOT)  # the peer helper lives in the checkout's tests/, next to benchmarks/
@@ -177,7 +185,8 @@ def measure_averaging(
     peers = [f"p{i}" for i in range(4)]
     result: dict[str, object] = {"avg_size_mb": size_mb, "avg_rounds": rounds}
     hivemind: list[dict[str, object]] | None = None
-    with NetSim([HostSpec(h, shape=LinkShape(rate_mbit=rate_mbit)) for h in peers]) as sim:
+    specs = [HostSpec(h, shape=LinkShape(rate_mbit=rate_mbit)) for h in peers]
+    with NetSim(specs, congestion_control=congestion_control) as sim:
         declared = run_rounds(
             sim, peers, size_mb=size_mb, rounds=rounds, bandwidths=[rate_mbit * MBIT] * 4
         )
@@ -208,7 +217,7 @@ def measure_averaging(
         return result
     hosts, rates = ["fast", "slow1", "slow2", "slow3"], [1000.0, 50.0, 50.0, 50.0]
     specs = [HostSpec(h, shape=LinkShape(rate_mbit=r)) for h, r in zip(hosts, rates, strict=True)]
-    with NetSim(specs) as sim:
+    with NetSim(specs, congestion_control=congestion_control) as sim:
         even = run_rounds(sim, hosts, size_mb=lp_size_mb, rounds=rounds, bandwidths=[1.0] * 4)
         lp = run_rounds(
             sim, hosts, size_mb=lp_size_mb, rounds=rounds, bandwidths=[r * MBIT for r in rates]
@@ -221,12 +230,17 @@ def measure_averaging(
     return result
 
 
-def measure_links(rate_mbit: float, size_mib: int, rounds: int) -> dict[str, object]:
+def measure_links(
+    rate_mbit: float,
+    size_mib: int,
+    rounds: int,
+    congestion_control: str | None = DEFAULT_CONGESTION_CONTROL,
+) -> dict[str, object]:
     """Plain TCP, kit direct and kit relayed goodput between hosts on ``rate_mbit`` links."""
     shape = LinkShape(rate_mbit=rate_mbit)
     hosts = [HostSpec(name, shape=shape) for name in ("a", "b", "relay")]
     hosts += [HostSpec(name, nat=True, shape=shape) for name in ("alice", "bob")]
-    with NetSim(hosts) as sim:
+    with NetSim(hosts, congestion_control=congestion_control) as sim:
         tcp = measure_tcp(sim, size_mib, rounds)
         b_address = start_peer(sim, "b", "--host", sim.host("b").address)
         direct = measure_kit(
@@ -250,9 +264,11 @@ def measure_links(rate_mbit: float, size_mib: int, rounds: int) -> dict[str, obj
 
 
 def run_benchmark(args: argparse.Namespace) -> dict[str, object]:
+    congestion_control = None if args.congestion_control == "inherit" else args.congestion_control
     result: dict[str, object] = {"rate_mbit": args.rate_mbit}
+    result["congestion_control"] = args.congestion_control
     if not args.allreduce_only:
-        result.update(measure_links(args.rate_mbit, args.size_mib, args.rounds))
+        result.update(measure_links(args.rate_mbit, args.size_mib, args.rounds, congestion_control))
     result.update(
         measure_averaging(
             args.rate_mbit,
@@ -261,6 +277,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, object]:
             args.avg_rounds,
             args.hivemind_python,
             only_scenario_1=args.allreduce_only,
+            congestion_control=congestion_control,
         )
     )
     result["load_average"] = [round(x, 2) for x in os.getloadavg()]  # others share the cores
@@ -286,6 +303,12 @@ def main() -> int:
     )
     parser.add_argument(
         "--allreduce-only", action="store_true", help="scenario 1 only (no link goodput, no LP)"
+    )
+    parser.add_argument(
+        "--congestion-control",
+        default=DEFAULT_CONGESTION_CONTROL,
+        help="every host's TCP congestion control (default: %(default)s, see "
+        "kit.testing.netsim.DEFAULT_CONGESTION_CONTROL); 'inherit': this machine's default",
     )
     parser.add_argument("--role", default="main", help=argparse.SUPPRESS)
     parser.add_argument("--target", default="", help=argparse.SUPPRESS)

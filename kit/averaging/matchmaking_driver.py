@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from kit.averaging.allreduce import cancel_and_wait
-from kit.averaging.balancing import load_balance_peers
+from kit.averaging.balancing import load_balance_peers, preload_solver
 from kit.averaging.chunk_stream import PROTOCOL as ALLREDUCE_PROTOCOL
 from kit.averaging.group import (
     GROUP_ID_BYTES,
@@ -176,6 +176,7 @@ class MatchmakingDriver:
         declaration = matchmaker.start(get_dht_time(), deadline)
         declared = asyncio.Event()  # the first poll waits for our own declaration: then every
         if declaration is not None:  # peer that declared before us is visible to it
+            preload_solver()  # this peer may lead: its LP must not wait for scipy's import
             self._spawn(self._declare(matchmaker, declaration, declared))
         else:
             declared.set()

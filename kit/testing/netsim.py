@@ -22,6 +22,8 @@ interfaces and its routes are never touched)::
   the dial go to 10.231.0.1 (the router), which refuses it at once.
 * Links are shaped with ``tc tbf`` in both directions (host egress on eth0 = upload; router egress
   on the host's veth = download): rate, burst and queue latency per host (:class:`LinkShape`).
+* Every host's TCP uses one congestion control, CUBIC by default, set on its routes
+  (``DEFAULT_CONGESTION_CONTROL`` says why it is pinned and why not this machine's BBR).
 
 Latency and loss: this kernel has no ``sch_netem``, so delay cannot be added in the kernel. Instead
 :meth:`NetSim.start_delay_proxy` places a :class:`kit.testing.delay_proxy.DelayProxy` in a host:
@@ -57,6 +59,19 @@ NAME_PREFIX = "ksim"  # every namespace of every NetSim starts with this
 PUBLIC_LAN = "10.231.0"  # the "Internet" bridge; router = .1, public host i = .(10 + i)
 ROUTER_ADDRESS = f"{PUBLIC_LAN}.1"
 COMMAND_TIMEOUT = 15.0  # one ip/tc/nft call; they take milliseconds
+# The TCP congestion control of every simulated host, set on its routes (``ip route ... congctl``,
+# per namespace, so it holds for kit, plain TCP and hivemind's daemon alike; the namespace's
+# default cannot be set: outside the root namespace only the root's "allowed" list may be used).
+# Why pin it: a new namespace inherits this machine's default (bbr on these VMs), so the figures
+# would depend on how the CI machine is configured. Why CUBIC: it is the kernel's own default and
+# what volunteers' Linux, Windows and macOS machines run. And BBR is not a faithful model on these
+# links: with no added delay (no netem) its minimum RTT is the veth's ~0.1 ms, so its window
+# (about 2 x bandwidth x min RTT, plus allowances) stays tiny while flows sharing a shaped link
+# queue behind each other (seen: min RTT 0.07-0.25 ms, window ~50 packets at 20 ms RTT). Measured,
+# plain TCP all-to-all between 4 hosts on 100 Mbit/s links, steady rounds: 1.10-1.34x the bandwidth
+# bound with bbr, 1.05x with cubic (= the TCP/IP headers: 1514 bytes on the wire per 1448 of
+# payload).
+DEFAULT_CONGESTION_CONTROL = "cubic"
 _counter = itertools.count()
 _line_buffers: dict[int, bytearray] = {}  # pid -> bytes read past the last line (read_line)
 _PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy", "no_proxy")
@@ -224,19 +239,32 @@ class NetSim:
 
     Args:
         hosts: the machines; public ones get 10.231.0.10, .11, ... in order.
+        congestion_control: every host's TCP congestion control (see
+            ``DEFAULT_CONGESTION_CONTROL`` for why it is pinned); None keeps this machine's.
 
     Raises:
         NetnsUnavailable: not root, or ip/tc/nft missing or failing.
         ConfigError: duplicate host names, or more than 90 hosts of a kind.
     """
 
-    def __init__(self, hosts: Sequence[HostSpec]) -> None:
+    def __init__(
+        self,
+        hosts: Sequence[HostSpec],
+        *,
+        congestion_control: str | None = DEFAULT_CONGESTION_CONTROL,
+    ) -> None:
         names = [spec.name for spec in hosts]
         if len(set(names)) != len(names):
             raise ConfigError(f"duplicate host names in {names} - help: name each host once")
         if sum(s.nat for s in hosts) > 90 or sum(not s.nat for s in hosts) > 90:
             raise ConfigError("at most 90 public and 90 NAT'd hosts - help: use fewer hosts")
+        if congestion_control is not None and not congestion_control.replace("_", "").isalnum():
+            raise ConfigError(
+                f"congestion control {congestion_control!r:.40} - help: a kernel name such as"
+                " 'cubic' or 'reno', or None for this machine's default"
+            )
         self.specs = list(hosts)
+        self.congctl = "" if congestion_control is None else f" congctl {congestion_control}"
         self.tag = run_tag(os.getpid(), next(_counter))
         self.router = f"{self.tag}-r"
         self.hosts: dict[str, Host] = {}
@@ -311,6 +339,9 @@ class NetSim:
         self._sh(self.router, f"ip link set {end} master br0 && ip link set {end} up")
         address = f"{PUBLIC_LAN}.{10 + public_index}"
         self._sh(netns, f"ip addr add {address}/24 dev eth0 && ip link set eth0 up")
+        if self.congctl:
+            route = f"{PUBLIC_LAN}.0/24 dev eth0 proto kernel scope link src {address}"
+            self._sh(netns, f"ip route replace {route}{self.congctl}")
         self.hosts[spec.name] = Host(spec.name, netns, address, False, spec.shape)
 
     def _add_nat_host(self, index: int, nat_index: int, spec: HostSpec) -> None:
@@ -319,7 +350,7 @@ class NetSim:
         lan = f"10.231.{100 + nat_index}"
         self._sh(self.router, f"ip addr add {lan}.1/24 dev {end} && ip link set {end} up")
         self._sh(netns, f"ip addr add {lan}.2/24 dev eth0 && ip link set eth0 up")
-        self._sh(netns, f"ip route add default via {lan}.1")
+        self._sh(netns, f"ip route add default via {lan}.1{self.congctl}")
         self.hosts[spec.name] = Host(spec.name, netns, f"{lan}.2", True, spec.shape)
 
     @staticmethod

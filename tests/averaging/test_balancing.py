@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -134,3 +136,28 @@ def test_inconsistent_flags_are_refused() -> None:
         load_balance_peers(M, [10.0, 10.0], client_mode=[True, False], auxiliary=[True, False])
     with pytest.raises(ConfigError, match="help:"):
         split_sizes(10, [0, 0])
+
+
+PRELOAD = (  # a fresh interpreter: here scipy.optimize may be imported already
+    "import sys, threading\n"
+    "from kit.averaging import balancing\n"
+    "assert 'scipy.optimize' not in sys.modules, 'imported with kit.averaging'\n"
+    "before = threading.active_count()\n"
+    "balancing.preload_solver(); balancing.preload_solver()\n"
+    "assert threading.active_count() <= before + 1, 'one import thread at most'\n"
+    "thread = balancing._solver_import\n"
+    "assert thread is not None; thread.join(60.0)\n"
+    "assert 'scipy.optimize' in sys.modules\n"
+    "print(balancing.load_balance_peers(8, [1.0, 1.0]))\n"
+)
+
+
+@pytest.mark.processes
+def test_the_solver_is_imported_ahead_in_the_background_once() -> None:
+    # A new leader's first LP must not wait for scipy's import (matchmaking took 0.3-0.45 s
+    # in every round with a new leader), and importing kit.averaging must stay free of it.
+    done = subprocess.run(
+        [sys.executable, "-c", PRELOAD], capture_output=True, text=True, timeout=120.0
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "(4, 4)"

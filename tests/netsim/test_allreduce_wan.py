@@ -51,11 +51,12 @@ def test_equal_links_allreduce_is_near_the_bandwidth_bound() -> None:
     # busy moment slows a round without saying anything about the protocol (the median is in
     # benchmarks/wan.py).
     ratio = steady(table, "round_s", best=True) / bound
-    # The target is <= 1.15x; measured: 1.12-1.16x here (32 MB), 1.11-1.13x at 72 MB in
-    # benchmarks/wan.py, where plain TCP moving the same bytes all-to-all takes ~1.16x. Four peers
-    # share two cores with the rest of CI, so this guards against regressions at 1.25x instead of
-    # failing on scheduling noise; below 1 would mean the links were not shaped.
-    assert 1.0 <= ratio <= 1.25, (ratio, table)
+    # The target: <= 1.15x. Measured: 1.06-1.07x here (32 MB), median 1.06x at 72 MB in
+    # benchmarks/wan.py, where plain TCP moving the same bytes all-to-all takes 1.05x (its
+    # TCP/IP headers); the hosts run CUBIC (kit.testing.netsim.DEFAULT_CONGESTION_CONTROL: with
+    # this machine's BBR on these zero-delay links, plain TCP took 1.10-1.34x). Below 1 would
+    # mean the links were not shaped.
+    assert 1.0 <= ratio <= 1.15, (ratio, table)
     # Matchmaking of a steady round takes ~0.05 s. It took ~4-5 s at 72 MB when each member's
     # DHT withdrawal was sent as the all-reduce began: queued behind its chunks, the stores timed
     # out, every member was marked failed and the next polls missed half the declarations.

@@ -19,6 +19,7 @@ import pytest
 from kit.errors import ConfigError
 from kit.testing.delay_proxy import DelayProxy, DelaySchedule
 from kit.testing.netsim import (
+    DEFAULT_CONGESTION_CONTROL,
     HostSpec,
     LinkShape,
     NetSim,
@@ -36,6 +37,15 @@ CONNECT = (  # prints "connected" or the error: a TCP dial of argv[1]:argv[2]
     "s = socket.socket(); s.settimeout(1.0)\n"
     "try:\n    s.connect((sys.argv[1], int(sys.argv[2]))); print('connected')\n"
     "except OSError as e:\n    print(type(e).__name__)\n"
+)
+CONGESTION = (  # dials argv[1]:7001 if given, else accepts once; prints the TCP congestion control
+    "import socket, sys\n"
+    "if len(sys.argv) > 1:\n    c = socket.create_connection((sys.argv[1], 7001), timeout=5.0)\n"
+    "else:\n"
+    "    s = socket.create_server(('0.0.0.0', 7001)); s.settimeout(10.0)\n"
+    "    print('ready', flush=True); c, _ = s.accept()\n"
+    "name = c.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16)\n"
+    "print(name.rstrip(b'\\0').decode(), flush=True)\n"
 )
 LISTEN = (  # accepts once, prints the address the connection came from
     "import socket\n"
@@ -78,6 +88,11 @@ def test_delay_schedule_keeps_order_and_adds_stalls() -> None:
     assert max(releases) >= 0.2  # with p=0.5 over 6 chunks, some chunk stalled (seeded)
     with pytest.raises(ConfigError):
         DelaySchedule(-1.0, 0.0, 0.2, random.Random(0))
+
+
+def test_congestion_control_must_be_a_name() -> None:
+    with pytest.raises(ConfigError, match="help:"):
+        NetSim([HostSpec("a")], congestion_control="cubic; reboot")
 
 
 def test_link_shape_validation() -> None:
@@ -170,6 +185,25 @@ def test_nat_allows_outbound_only() -> None:
         assert dial(sim, "pub2", sim.host("home").address) != "connected"  # no inbound route
         assert dial(sim, "home2", sim.host("home").address) != "connected"  # homes are apart
         assert dial(sim, "pub", sim.host("pub2").address) == "connected"  # the switch works
+
+
+@pytest.mark.netns
+@pytest.mark.processes
+@skip_without_netns
+@pytest.mark.parametrize("congestion_control", [DEFAULT_CONGESTION_CONTROL, "reno"])
+def test_hosts_use_the_pinned_congestion_control(congestion_control: str) -> None:
+    # Pinned per namespace (on the routes), not inherited from this machine: both ends of a
+    # connection between public hosts, and of one from a NAT'd host, use it.
+    hosts = [HostSpec("pub"), HostSpec("pub2"), HostSpec("home", nat=True)]
+    with NetSim(hosts, congestion_control=congestion_control) as sim:
+        for dialer in ("pub2", "home"):
+            listener = sim.popen("pub", [sys.executable, "-c", CONGESTION])
+            assert read_line(listener, timeout=10.0) == "ready"
+            done = sim.run(
+                dialer, [sys.executable, "-c", CONGESTION, sim.host("pub").address], timeout=10.0
+            )
+            assert done.stdout.strip() == congestion_control, (dialer, done.stderr)
+            assert read_line(listener, timeout=5.0) == congestion_control, dialer
 
 
 # --- kit.p2p scenarios ------------------------------------------------------------------------
