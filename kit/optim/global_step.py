@@ -141,9 +141,16 @@ class GlobalStep:
         """Publish our progress, or the held report of a round still running (or failed while
         other peers are still in it: bounded by the time a round may search for its group)."""
         held = self._held_report
-        if held is not None and (
-            self._inner.pending
-            or (time.monotonic() < self._hold_until and self.tracker.others_at_epoch(held[0]) > 0)
+        if (
+            held is not None
+            and held[0] == self.local_epoch - 1
+            and (  # not after a fast-forward
+                self._inner.pending
+                or (
+                    time.monotonic() < self._hold_until
+                    and self.tracker.others_at_epoch(held[0]) > 0
+                )
+            )
         ):
             self.tracker.report_local_progress(*held)
         else:
