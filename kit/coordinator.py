@@ -18,13 +18,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from kit.config import RunConfig
-from kit.errors import ConfigError, KitError
+from kit.dht.node import get_dht_time
+from kit.errors import ConfigError, KitError, KitUsageError
 from kit.p2p.identity import b58decode, b58encode, load_identity
 
 logger = logging.getLogger(__name__)
@@ -176,8 +179,83 @@ class Coordinator:
         self.issuer = TokenIssuer(
             identity, self.config.collaboration.run_id, lifetime=self.config.access.token_lifetime
         )
+        self._load_revocations()
         # The coordinator's own peer needs a token too: issued by itself.
-        return AllowlistAuthorizer.for_coordinator(peer_identity, self.issuer)
+        authorizer = AllowlistAuthorizer.for_coordinator(peer_identity, self.issuer)
+        authorizer.update_revocations(self.issuer.revocations)
+        return authorizer
+
+    # --- revocations ---------------------------------------------------------------------------
+
+    def revoke(
+        self,
+        *,
+        usernames: Sequence[str] = (),
+        peer_public_keys: Sequence[bytes] = (),
+        duration: float = 24 * 3600.0,
+    ) -> None:
+        """Ban Hub users and/or peer keys from the run for ``duration`` seconds.
+
+        Their connections to the coordinator close now and no new token is issued to them; they
+        are credited nothing more on the leaderboard (what they did before stays); every other
+        peer learns the ban from the DHT within its poll period and refuses them too. The list
+        is kept in ``state_dir``, so a restarted coordinator keeps the bans.
+
+        Raises:
+            KitUsageError: the run has no authority (open runs without one cannot ban).
+            ConfigError: a name no Hub account can have, or a key of the wrong size.
+        """
+        if self.issuer is None or self.dht is None:
+            raise KitUsageError(
+                "revoke() needs a started coordinator of a run with an authority - help: set "
+                "access.authority_public_key (kit coordinator --create-authority)"
+            )
+        revocations = self.issuer.revoke(
+            usernames=usernames,
+            peer_public_keys=peer_public_keys,
+            duration=duration,
+            now=get_dht_time(),
+        )
+        self._save_revocations()
+        self.dht.run_coroutine(lambda _, node: self._apply_revocations(node, revocations))
+
+    async def _apply_revocations(self, node: Any, revocations: Any) -> None:
+        """Enforce ``revocations`` on our peer and publish them for everyone else's."""
+        from kit.auth import enforce_revocations, publish_revocations
+        from kit.auth.revocation import DEFAULT_PUBLISH_TTL
+
+        if node.peer.authorizer.update_revocations(revocations):
+            enforce_revocations(node.peer, node.peer.authorizer)
+        expiration = get_dht_time() + DEFAULT_PUBLISH_TTL
+        if not await publish_revocations(
+            node, self.issuer.authority, revocations, expiration_time=expiration
+        ):
+            logger.warning("the revocation list reached no DHT node yet (peers poll the DHT)")
+
+    def _revocations_path(self) -> Path:
+        return self.state_dir / "revocations.msgpack"
+
+    def _save_revocations(self) -> None:
+        path = self._revocations_path()
+        partial = path.with_suffix(".partial")
+        partial.write_bytes(self.issuer.revocations.to_bytes())
+        os.replace(partial, path)
+
+    def _load_revocations(self) -> None:
+        from kit.auth import RevocationList
+
+        path = self._revocations_path()
+        if not path.exists():
+            return
+        try:
+            saved = RevocationList.from_bytes(path.read_bytes())
+            saved.verify(self.issuer.authority_public_key)
+        except KitError as e:
+            raise ConfigError(
+                f"{path} is unreadable ({e}) - help: restore it from a backup, or delete it to "
+                "lift every ban"
+            ) from e
+        self.issuer.revocations = saved
 
     async def _start_services(self, dht: Any, node: Any) -> None:
         from kit.dashboard import register_dashboard
@@ -197,16 +275,22 @@ class Coordinator:
                 peer, self.issuer, allowlist, hf_endpoint=self.options.hf_endpoint
             )
             authorizer = peer.authorizer
+            if self.issuer.revocations.usernames or self.issuer.revocations.peer_public_keys:
+                await self._apply_revocations(node, self.issuer.revocations)  # kept from before
             peer.spawn(
                 follow_revocations(
                     node, authorizer, self.config.collaboration.run_id, peer=peer, period=30.0
                 ),
                 "revocations",
             )
+        run_id = self.config.collaboration.run_id
         self.collector = MetricsCollector(
             node,
-            self.config.collaboration.run_id,
+            run_id,
             authority_public_key=None if self.issuer is None else self.issuer.authority_public_key,
+            revocations=None
+            if self.issuer is None
+            else lambda: peer.authorizer.revocations(run_id),
             state_path=self.state_dir / "leaderboard.json",
             period=self.options.metrics_period,
         )

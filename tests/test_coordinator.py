@@ -16,7 +16,7 @@ import pytest
 from kit.config import RunConfig
 from kit.coordinator import Coordinator, CoordinatorOptions, create_authority
 from kit.demo import prepare
-from kit.errors import ConfigError, NotAllowlisted
+from kit.errors import ConfigError, NotAllowlisted, Revoked
 from kit.testing.fake_hub import FakeHub
 from kit.volunteer import CoordinatorUnreachable, Volunteer, coordinator_url, fetch_run_info
 
@@ -167,6 +167,45 @@ def test_allowlisted_run_leaderboard_checkpoints_and_restart(tmp_path, hub) -> N
             volunteer.stop()
         coordinator.shutdown()
     assert volunteer.status.state.value == "stopped"
+
+
+@pytest.mark.timeout(300)
+def test_a_revoked_user_is_cut_off_credited_nothing_more_and_stays_banned(tmp_path, hub) -> None:
+    port = free_port()
+    config = allowlisted_run(tmp_path, port)
+    coordinator = start_coordinator(config, tmp_path, port, hub)
+    volunteer = Volunteer(
+        coordinator.join_url, work_dir=tmp_path / "alice", host="127.0.0.1", client_mode=False
+    )
+    try:
+        volunteer.login("hf_alice")
+        volunteer.start()
+
+        def samples() -> int:
+            board = coordinator.collector.leaderboard()
+            return next((r["samples"] for r in board if r["username"] == "alice"), 0)
+
+        wait_for(lambda: samples() > 0, 120, "alice on the leaderboard")
+        coordinator.revoke(usernames=["alice"], duration=3600.0)
+        frozen = samples()
+        steps = volunteer.trainer.local_steps
+        wait_for(lambda: volunteer.trainer.local_steps > steps + 5, 60, "alice training on alone")
+        fetches = coordinator.collector.fetches
+        wait_for(lambda: coordinator.collector.fetches >= fetches + 2, 30, "two more fetches")
+        assert samples() == frozen  # her new records are not credited
+        with pytest.raises(Revoked, match="help:"):  # and she gets no new token
+            Volunteer(coordinator.join_url, work_dir=tmp_path / "a2", host="127.0.0.1").login(
+                "hf_alice"
+            )
+        coordinator.shutdown()
+        coordinator = start_coordinator(config, tmp_path, port, hub)  # the ban is kept
+        with pytest.raises(Revoked, match="help:"):
+            Volunteer(coordinator.join_url, work_dir=tmp_path / "a3", host="127.0.0.1").login(
+                "hf_alice"
+            )
+    finally:
+        volunteer.stop()
+        coordinator.shutdown()
 
 
 def test_a_restarted_coordinator_with_no_volunteers_serves_its_checkpoint(tmp_path, hub) -> None:

@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from kit.auth.revocation import RevocationList
 from kit.auth.tokens import AccessToken, verify_token
 from kit.errors import AuthError, MetricsStateError
 from kit.metrics.records import ContributionRecord
@@ -48,14 +49,20 @@ ANONYMOUS = "anonymous"  # shown for open-run records that declare no user name
 
 
 def token_verifier(
-    authority_public_key: bytes, run_id: str, *, clock_skew: float = 60.0
+    authority_public_key: bytes,
+    run_id: str,
+    *,
+    clock_skew: float = 60.0,
+    revocations: Callable[[], RevocationList | None] | None = None,
 ) -> Verifier:
     """The verifier of authenticated runs: the user named by a valid access token, or None.
 
     A record is credited only if its token is signed by the run's authority, is for ``run_id``,
     has not expired (at ``now``, give or take ``clock_skew``), and names the very public key that
     signed the record (its ``[owner:...]`` subkey). So a peer that copies another user's token
-    gains nothing: the token names the other user's key, not its own.
+    gains nothing: the token names the other user's key, not its own. ``revocations`` gives the
+    run's current (verified) revocation list: a revoked user or key is credited nothing more,
+    even while its token is still valid (what it contributed before stays).
     """
 
     def verify(owner: bytes, record: ContributionRecord, now: float) -> str | None:
@@ -74,6 +81,11 @@ def token_verifier(
             )
         except AuthError as e:
             logger.debug("dropping a metrics record of peer %s: %s", _short(record), e)
+            return None
+        banned = revocations() if revocations is not None else None
+        reason = banned.reason(token.username, owner, now) if banned is not None else None
+        if reason is not None:
+            logger.debug("dropping a metrics record of peer %s: %s", _short(record), reason)
             return None
         return token.username
 

@@ -15,9 +15,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kit.auth.revocation import RevocationList
 from kit.dht.node import DHTNode, get_dht_time
 from kit.dht.validation import DHTRecord, find_owners
 from kit.errors import ConfigError, KitError, KitUsageError, MetricsStateError
@@ -58,6 +60,8 @@ class MetricsCollector:
         run_id: the run whose records to read.
         authority_public_key: the run's token authority key; records are credited only to the
             user their access token names. None = open run (self-declared names, unverified).
+        revocations: the run's current revocation list (the coordinator's authorizer holds it):
+            revoked users and keys are credited nothing more.
         state_path: where to keep the book across restarts (JSON); None = in memory only.
         period: seconds between fetches. Increase this on very large swarms.
         book: a preconfigured book (tests, custom windows); default: a new one.
@@ -72,6 +76,7 @@ class MetricsCollector:
         run_id: str,
         *,
         authority_public_key: bytes | None,
+        revocations: Callable[[], RevocationList | None] | None = None,
         state_path: Path | None = None,
         period: float = 10.0,
         book: MetricsBook | None = None,
@@ -84,7 +89,7 @@ class MetricsCollector:
         self.state_path = Path(state_path) if state_path is not None else None
         verify = None
         if authority_public_key is not None:
-            verify = token_verifier(authority_public_key, run_id)
+            verify = token_verifier(authority_public_key, run_id, revocations=revocations)
         self.book = book or MetricsBook(verify)
         if book is not None and verify is not None:
             self.book.verify = verify

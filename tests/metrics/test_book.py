@@ -183,6 +183,21 @@ def test_a_token_issued_to_another_key_is_not_credited(issuer: TokenIssuer, capl
     assert "was issued to peer" in caplog.text
 
 
+def test_a_revoked_user_or_key_is_credited_nothing_more(issuer: TokenIssuer) -> None:
+    alice, bob, carol = Peer("alice"), Peer("bob"), Peer("carol")
+    for peer in (alice, bob, carol):
+        peer.token = issuer.issue(peer.username, peer.owner, now=T0).to_bytes()
+    held: list[Any] = [None]  # what the coordinator's authorizer holds now
+    book = MetricsBook(
+        token_verifier(issuer.authority_public_key, RUN, revocations=lambda: held[0])
+    )
+    book.add([p.record(T0, samples_total=10) for p in (alice, bob, carol)], T0)
+    held[0] = issuer.revoke(usernames=["alice"], peer_public_keys=[bob.owner], now=T0 + 1)
+    book.add([p.record(T0 + 5, samples_total=50) for p in (alice, bob, carol)], T0 + 5)
+    # Their tokens are still valid, but the bans hold: what they did before stays theirs.
+    assert sorted(users(book.leaderboard(T0 + 5))) == [("alice", 10), ("bob", 10), ("carol", 50)]
+
+
 def test_forged_expired_foreign_and_missing_tokens_are_dropped(issuer: TokenIssuer) -> None:
     other_authority = TokenIssuer(Identity.generate(), RUN)
     other_run = TokenIssuer(issuer.authority, "another-run")
