@@ -1,7 +1,7 @@
 """One training peer of the churn scenario: ``python -m tests.netsim.churn_peer --index i ...``.
 
 Holds the peer process that tests/netsim/test_churn.py starts (inside a NetSim host, or on
-loopback) and kills: it trains a small MLP on synthetic data labelled by a fixed teacher with
+loopback) and kills (tests/netsim/test_nat_training.py starts it behind NAT, in client mode): it trains a small MLP on synthetic data labelled by a fixed teacher with
 ``kit.Optimizer``. It does not start or kill anyone, nor judge the results (the test does).
 
 Peers meet through files in a shared run directory (namespaces share the file system):
@@ -83,6 +83,8 @@ def main() -> int:
     parser.add_argument("--matchmaking-time", type=float, default=1.5)
     parser.add_argument("--averaging-timeout", type=float, default=10.0)
     parser.add_argument("--lifetime", type=float, default=600.0, help="exit 3 after this")
+    parser.add_argument("--client-mode", action="store_true", help="behind NAT: dial out only")
+    parser.add_argument("--relay", action="store_true", help="relay for client-mode peers")
     args = parser.parse_args()
     run_dir = Path(args.run_dir)
     log = open(run_dir / f"peer{args.index}.log", "ab", buffering=0)  # noqa: SIM115 (fd 2)
@@ -100,13 +102,13 @@ def main() -> int:
 
     model = make_model()
     if args.bootstrap:
-        dht = kit.DHT(host=args.host, client_mode=False)
+        dht = kit.DHT(host=args.host, client_mode=False, peer_options={"relay_service": args.relay})
         address_file = run_dir / "bootstrap.addr"
         (run_dir / "bootstrap.addr.tmp").write_text(dht.get_visible_maddrs()[0])
         os.replace(run_dir / "bootstrap.addr.tmp", address_file)
     else:
         address = wait_for_file(run_dir / "bootstrap.addr", timeout=60)
-        dht = kit.DHT(initial_peers=[address], host=args.host, client_mode=False)
+        dht = kit.DHT(initial_peers=[address], host=args.host, client_mode=args.client_mode)
     opt = kit.Optimizer(
         dht=dht,
         run_id=RUN_ID,
@@ -155,8 +157,15 @@ def main() -> int:
             events.write(f"{time.time():.3f} {opt.local_epoch}\n")
             time.sleep(0.1)
         np.save(run_dir / f"peer{args.index}.final.npy", flat_parameters(model))
+        relay = dht.node.peer.relay_service  # bytes it carried between client-mode peers
         (run_dir / f"peer{args.index}.final.json").write_text(
-            json.dumps({"epoch": opt.local_epoch, "loss": last_loss})
+            json.dumps(
+                {
+                    "epoch": opt.local_epoch,
+                    "loss": last_loss,
+                    "relayed_bytes": relay.relayed_bytes if relay is not None else 0,
+                }
+            )
         )
     finally:
         events.close()
