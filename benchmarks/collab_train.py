@@ -61,14 +61,20 @@ def peer_main(args: argparse.Namespace) -> None:
     if not args.initial_peer:
         with open(args.events + ".addr", "w") as file:
             file.write(dht.get_visible_maddrs()[0])
+    # --delay-grad-averaging (kit only): rounds and steps in the background; it needs the
+    # optimizer's factory form, so the Adam is built by kit.
+    delayed = {"delay_grad_averaging": True, "params": model.parameters()} if args.delay else {}
     opt = kit.Optimizer(
         dht=dht,
         run_id="bench",
         target_batch_size=args.target_batch_size,
         batch_size_per_step=args.batch_size,
-        optimizer=torch.optim.Adam(model.parameters(), lr=1e-3),
+        optimizer=(lambda p: torch.optim.Adam(p, lr=1e-3))
+        if args.delay
+        else torch.optim.Adam(model.parameters(), lr=1e-3),
         matchmaking_time=args.matchmaking_time,
         averaging_timeout=args.averaging_timeout,
+        **delayed,
     )
     phases["optimizer_ready"] = time.time() - launched
     if args.late:
@@ -131,6 +137,12 @@ def main() -> None:
     parser.add_argument("--averaging-timeout", type=float, default=30.0)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--in-dim", type=int, default=512)
+    parser.add_argument(
+        "--delay-grad-averaging",
+        dest="delay",
+        action="store_true",
+        help="kit only: average gradients and step in the background (not in hivemind's anchor)",
+    )
     parser.add_argument("--role", default="launcher", help=argparse.SUPPRESS)
     for name in ("initial-peer", "events", "stop", "launched"):
         parser.add_argument(f"--{name}", default="", help=argparse.SUPPRESS)
@@ -159,6 +171,7 @@ def main() -> None:
         str(args.hidden),
         "--in-dim",
         str(args.in_dim),
+        *(["--delay-grad-averaging"] if args.delay else []),
     ]
 
     def launch(index: int, initial: str, late: bool = False) -> subprocess.Popen[bytes]:
@@ -200,6 +213,7 @@ def main() -> None:
         "impl": "kit",
         "peers": args.peers,
         "duration": args.duration,
+        "delay_grad_averaging": args.delay,
     }
     late_result: dict[str, object] | None = None
     if args.late_join:

@@ -23,7 +23,9 @@ def percentile_ms(samples: list[float], q: float) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--nodes", type=int, default=16)
     parser.add_argument("--ops", type=int, default=100)
     args = parser.parse_args()
@@ -32,7 +34,9 @@ def main() -> None:
     started = time.time()
     first = DHT(host="127.0.0.1", port=0, client_mode=False)
     initial = first.get_visible_maddrs()
-    nodes = [first] + [DHT(initial_peers=initial, host="127.0.0.1", port=0) for _ in range(args.nodes - 1)]
+    nodes = [first] + [
+        DHT(initial_peers=initial, host="127.0.0.1", port=0) for _ in range(args.nodes - 1)
+    ]
     startup = time.time() - started
     writer, reader = nodes[-1], nodes[len(nodes) // 2]
     keys = [f"k-{uuid.uuid4().hex}" for _ in range(args.ops)]
@@ -56,8 +60,14 @@ def main() -> None:
                 "nodes": args.nodes,
                 "ops": args.ops,
                 "startup_s": round(startup, 2),
-                "store_ms": {"p50": percentile_ms(store_times, 0.5), "p99": percentile_ms(store_times, 0.99)},
-                "get_ms": {"p50": percentile_ms(get_times, 0.5), "p99": percentile_ms(get_times, 0.99)},
+                "store_ms": {
+                    "p50": percentile_ms(store_times, 0.5),
+                    "p99": percentile_ms(store_times, 0.99),
+                },
+                "get_ms": {
+                    "p50": percentile_ms(get_times, 0.5),
+                    "p99": percentile_ms(get_times, 0.99),
+                },
                 "found": found,
             }
         )
