@@ -12,7 +12,8 @@ the collaboration's epoch. One JSON line: ``full_window.samples_per_s``,
 ``full_window.epochs_advanced``, ``full_window.fraction_outside_fwd_bwd``,
 ``full_window.longest_stall_s``, ``late_join.time_to_join_s``, and (kit only) ``late_join.phases_s``:
 seconds from the late peer's launch to ``imported`` (torch, kit), ``dht_ready``, ``optimizer_ready``
-and ``state_loaded`` (its ``load_state_from_peers`` returned). ``KIT_BENCH_LOG=DEBUG`` makes the
+and ``state_loaded`` (its ``load_state_from_peers`` returned). ``--delay-grad-averaging`` (kit only, not comparable with the anchor) averages and steps in the
+background (``kit.Optimizer(delay_grad_averaging=True)``). ``KIT_BENCH_LOG=DEBUG`` makes the
 peers' kit.optim log each averaging round's matchmaking and all-reduce times on stderr.
 """
 
