@@ -161,11 +161,12 @@ _solver_import: threading.Thread | None = None
 def preload_solver() -> None:
     """Start importing the LP solver in a background thread (once per process; never raises).
 
-    A peer that may lead calls this when it starts looking for a group. Imported only on first
-    use, scipy.optimize (~0.3-0.5 s) held up every round whose leader had not led before: its
-    last follower's "accepted" waited for the import (measured, 4 peers at 100 Mbit/s:
-    matchmaking 0.29-0.45 s in such rounds, 0.02-0.04 s in the others). In a thread, the import
-    neither blocks the event loop nor delays a late joiner's first step (see ``_solve``).
+    A peer that may lead calls this when it first looks for a group. Imported only on first use,
+    scipy.optimize (~0.3-0.5 s) held up every round whose leader had not led before: its last
+    follower's "accepted" waited for the import (measured, 4 peers at 100 Mbit/s: matchmaking
+    0.29-0.45 s in such rounds, 0.02-0.04 s in the others). In a thread, the import neither
+    blocks the event loop nor delays a late joiner's first step; a leader whose import is still
+    running splits by bandwidth for that round instead of waiting (see ``_solve``).
     """
     global _solver_import
     if _solver_import is None and "scipy.optimize" not in sys.modules:
@@ -192,7 +193,12 @@ def _solve(base: np.ndarray, slope: np.ndarray, b: np.ndarray) -> np.ndarray:
     # Imported here, not at module level: scipy.optimize costs ~0.5 s of import, which a late
     # joiner would otherwise pay before its first step (kit.Optimizer imports kit.averaging);
     # only a leader of a group with several aggregators ever solves the LP. Peers that may lead
-    # import it ahead, in the background (preload_solver).
+    # import it ahead, in the background (preload_solver); until that is done, a leader splits
+    # by bandwidth rather than block its event loop on the import (its followers would time out).
+    loading = _solver_import
+    if loading is not None and loading.is_alive():
+        logger.debug("the LP solver is still being imported: splitting by bandwidth this round")
+        return b / b.sum()
     import scipy.optimize
 
     minimise_z = np.zeros(k + 1)

@@ -20,6 +20,7 @@ import signal
 import sys
 from typing import Any
 
+import scipy.optimize  # noqa: F401 (kit imports it on a leader's first LP; each child would pay it)
 import torch
 
 from kit.averaging.averager import AsyncAverager

@@ -5,10 +5,12 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
 
+from kit.averaging import balancing
 from kit.averaging.balancing import load_balance_peers, optimize_fractions, split_sizes
 from kit.errors import ConfigError, InvalidBandwidth, NoAggregators, TransientError
 
@@ -161,3 +163,19 @@ def test_the_solver_is_imported_ahead_in_the_background_once() -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "(4, 4)"
+
+
+def test_a_leader_whose_solver_import_still_runs_splits_by_bandwidth(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # It must not block its event loop on the import (its followers would time out).
+    release = threading.Event()
+    loading = threading.Thread(target=release.wait, args=(10.0,))
+    loading.start()
+    monkeypatch.setattr(balancing, "_solver_import", loading)
+    try:
+        # (The LP would give the fast peer everything: (0, 0, 0, 1300).)
+        assert load_balance_peers(1300, [1.0, 1.0, 1.0, 10.0]) == (100, 100, 100, 1000)
+    finally:
+        release.set()
+        loading.join(10.0)
