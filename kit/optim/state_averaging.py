@@ -89,17 +89,19 @@ def initialize_statistics(opt: torch.optim.Optimizer, names: Sequence[str]) -> N
     params = [p for group in opt.param_groups for p in group["params"]]
     missing = [p for p in params if not opt.state.get(p)]
     if missing:
-        saved = [(p, p.detach().clone(), p.grad) for p in missing]
-        for p in missing:
-            p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params]
+        saved = [p.detach().clone() for p in missing]
+        for p in params:  # a zero gradient where state is missing; the others are skipped
+            p.grad = torch.zeros_like(p) if not opt.state.get(p) else None
         opt.step()
         with torch.no_grad():
-            for p, value, grad in saved:
+            for p, value in zip(missing, saved, strict=True):
                 p.copy_(value)
-                p.grad = grad
-                for key, item in opt.state[p].items():
-                    if key == "step":
-                        opt.state[p][key] = torch.zeros_like(item) if torch.is_tensor(item) else 0
+                step = opt.state[p].get("step")
+                if step is not None:
+                    opt.state[p]["step"] = torch.zeros_like(step) if torch.is_tensor(step) else 0
+        for p, grad in zip(params, grads, strict=True):
+            p.grad = grad
     for p in params:
         for name in names:
             value = opt.state[p].get(name)

@@ -75,6 +75,7 @@ STAGING_FOLDER = ".incomplete"
 PUSH_RETRY_SECONDS = 60.0
 
 _FOLDER_NAME = re.compile(r"^step_(\d+)$")
+CORRUPT_SUFFIX = ".corrupt"  # a checkpoint restore could not read is renamed step_XXXXXX.corrupt
 
 # --- one checkpoint folder --------------------------------------------------------------------
 
@@ -468,7 +469,7 @@ class CheckpointManager:
         With no local checkpoint and a ``hub_repo``, the repo's head is downloaded into the
         checkpoint folder (as ``step_XXXXXX``). A missing or empty repo means a fresh run (None).
         A local checkpoint whose training state is corrupt (a disk error, an edit by hand) is
-        skipped with a warning for the next older one.
+        renamed ``step_XXXXXX.corrupt``, with a warning, and the next older one is tried.
 
         Returns:
             The restored checkpoint, or None when there is nothing to resume from.
@@ -485,7 +486,16 @@ class CheckpointManager:
             try:
                 loaded = load_training_state(folder)
             except MalformedTrainingState as exc:
-                logger.warning("checkpoint %s is unreadable, trying an older one: %s", folder, exc)
+                # Set aside (kept for a look, no longer "complete"): else it would still be the
+                # newest checkpoint, the one pushed to the Hub and served.
+                aside = folder.with_name(folder.name + CORRUPT_SUFFIX)
+                logger.warning(
+                    "checkpoint %s is unreadable, moved to %s; trying an older one: %s",
+                    folder,
+                    aside.name,
+                    exc,
+                )
+                os.replace(folder, aside)
                 first_error = first_error or exc
                 continue
             return self._restored(folder, "local", loaded)

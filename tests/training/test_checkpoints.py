@@ -452,6 +452,9 @@ def test_restore_skips_a_corrupt_newest_checkpoint_for_an_older_one(
         restored = _manager(tmp_path).restore()
     assert restored is not None and (restored.source, restored.step) == ("local", 7)
     assert "step_000009 is unreadable" in caplog.text
+    # Set aside: never again the newest checkpoint (pushed to the Hub, served to joiners).
+    assert (tmp_path / "step_000009.corrupt").is_dir() and not newest.exists()
+    assert _manager(tmp_path).latest() == tmp_path / "step_000007"
     (tmp_path / "step_000007" / "training_state.json").write_text("{not json")
     with pytest.raises(MalformedTrainingState, match="help:"):  # never a silent fresh start
         _manager(tmp_path).restore()
