@@ -206,6 +206,7 @@ class Volunteer:
         self.authorizer: Any = None
         self.dht: Any = None
         self.trainer: Any = None
+        self.data_position: Any = None  # kit.training.data_position.DataPosition, once training
         self.reporter: Any = None
         self._identity: Any = None
         self._identity_lock: Any = None
@@ -293,59 +294,38 @@ class Volunteer:
             host=self.host,
             peer_options=peer_options,
         )
-        hw = self.hardware or detect(workdir=self.work_dir)
-        model, plan = self._plan(hw)
-        batches = self._batches(plan, identity)
-        from kit.training.components import build_collaborative_optimizer
+        from kit.training.assembly import build_training, plan_training
 
-        optimizer = build_collaborative_optimizer(
-            model,
-            self.config,
-            self.dht,
-            batch_size_per_step=plan.batch_size_per_step or None,
-            auxiliary=plan.auxiliary,
-            # The plan's memory saver when the GPU is short (8-bit statistics are not wired yet).
-            **({"offload_optimizer": True} if plan.offload_optimizer else {}),
-        )
+        hw = self.hardware or detect(workdir=self.work_dir)
+        model, plan = plan_training(self.config, hw)
+        batches = self._batches(plan, identity)
+        # Every choice of the plan is built: checkpointing, a replica per GPU, 8-bit, offload.
+        parts = build_training(self.config, plan, model, self.dht)
         gpus = getattr(hw, "gpus", None) or ()
         label = gpus[0].name if gpus and plan.device.startswith("cuda") else plan.device
+        if plan.replicas > 1:
+            label = f"{plan.replicas} × {label}"
         self.trainer = Trainer(
-            model,
-            optimizer,
+            parts.model,
+            parts.optimizer,
             batches,
             plan,
             clip_grad_norm=self.config.optimizer.clip_grad_norm,
             username=self.username,
             device_label=f"{label} ({plan.precision})",
+            replicas=parts.replicas,
         )
+        if self.data_position is not None:
+            self.trainer.add_step_listener(self.data_position.on_step)
         self._start_reporter(identity)
         self._follow_leaderboard()
         for reason in plan.reasons:
             logger.info("plan: %s", reason)
         self.trainer.start(max_steps=max_steps, max_seconds=max_seconds)
 
-    def _plan(self, hw: Any) -> tuple[Any, Any]:
-        import torch
-
-        from kit.hardware import plan as make_plan
-        from kit.hardware.memory import make_torch_probe, needs_from_model
-        from kit.training.components import build_model
-
-        model = build_model(self.config)
-        needs = needs_from_model(
-            model,
-            sequence_length=self.config.data.max_seq_length,
-            batch_size_per_step=self.config.collaboration.batch_size_per_step,
-            optimizer=self.config.optimizer.name,
-        )
-        probe = None
-        if getattr(hw, "gpus", None) and torch.cuda.is_available():
-            probe = make_torch_probe(lambda: build_model(self.config), needs, "cuda")
-        plan = make_plan(needs, hw, probe=probe)
-        return model.to(plan.device), plan
-
     def _batches(self, plan: Any, identity: Any) -> Any:
         from kit.data.pipeline import PretrainingPipeline
+        from kit.training.data_position import DataPosition, data_position_path
 
         if plan.auxiliary:
             return iter(())
@@ -353,6 +333,12 @@ class Volunteer:
         pipeline = PretrainingPipeline.from_config(
             self.config.data, tokenizer, peer_identity=identity.peer_id.to_bytes()
         )
+        # A restart of this machine goes on where its data stream stopped (saved with its key).
+        path = data_position_path(
+            self.work_dir / ".kit", self.config.collaboration.run_id, str(identity.peer_id)
+        )
+        self.data_position = DataPosition(pipeline, path)
+        self.data_position.restore()
         return pipeline.batches(max(1, plan.micro_batch))
 
     def _start_reporter(self, identity: Any) -> None:
@@ -435,6 +421,8 @@ class Volunteer:
             self.trainer.update_status(state=TrainingState.STOPPING, message="leaving the run")
             self.trainer.stop(timeout)
             self.trainer.optimizer.shutdown()
+            if self.data_position is not None and not self.trainer.running:
+                self.data_position.save()
         if self.reporter is not None and self.dht is not None and self.dht.is_alive():
             reporter = self.reporter
 

@@ -252,7 +252,7 @@ BAD_RUNS: list[tuple[dict[str, object], str]] = [
         },
         "not in data.sources",
     ),
-    ({"optimizer": {"name": "sgd"}}, "must be one of 'lamb', 'adamw'"),
+    ({"optimizer": {"name": "sgd"}}, "must be one of 'lamb', 'lamb8bit', 'adamw'"),
     ({"optimizer": {"lr": 0}}, "must be > 0"),
     ({"optimizer": {"lr": "1e-3"}}, "must be a number"),
     ({"optimizer": {"betas": [0.9]}}, "must be two numbers"),

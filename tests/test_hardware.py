@@ -3,6 +3,7 @@ for simulated GPUs (no GPU here), with fake memory probes and one real CPU probe
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import sys
@@ -63,7 +64,7 @@ BERT_LARGE = TrainingNeeds(
     sequence_length=128,
     vocab_size=30_000,
     batch_size_per_step=32,
-    optimizer="adam",
+    optimizer="lamb",
 )
 TINY = TrainingNeeds(
     parameters=100_000,
@@ -288,6 +289,10 @@ def test_6gb_laptop_gpu_uses_8bit_and_offload_when_short() -> None:
     goal = MIN_USEFUL_MICRO_BATCH
     # The premise: with fp32 optimizer statistics on the GPU, not even one sample fits.
     assert estimate_memory(BERT_LARGE, 1, precision="fp16").device_bytes > budget
+    # kit builds 8-bit statistics for LAMB only (kit.training.lamb8bit): an Adam run never
+    # gets them, however short the GPU is.
+    adam = plan(dataclasses.replace(BERT_LARGE, optimizer="adam"), hw)
+    assert not adam.optimizer_8bit and adam.offload_optimizer
     result = plan(BERT_LARGE, hw)
     assert result.precision == "fp16" and result.grad_scaler
     assert result.optimizer_8bit and result.offload_optimizer

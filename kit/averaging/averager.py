@@ -471,8 +471,13 @@ class DecentralizedAverager:
         """Begin the next rounds as soon as ``size`` peers joined (None: wait min_matchmaking_time).
 
         The collaborative optimizer sets it to the number of peers it expects at its epoch, so a
-        round does not idle for the whole matchmaking time once everyone is there.
+        round does not idle for the whole matchmaking time once everyone is there. The
+        ``target_group_size`` this averager was created with stays the largest group: more
+        peers than that split into several groups.
         """
+        cap = self.settings.target_group_size
+        if cap is not None:
+            size = cap if size is None else min(size, cap)
         matchmaking = self._require().matchmaking
         matchmaking.settings = dataclasses.replace(matchmaking.settings, target_group_size=size)
 

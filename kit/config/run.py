@@ -2,7 +2,8 @@
 
 Holds ``RunConfig`` (model, tokenizer, data, optimizer, collaboration, access, checkpoint), the
 checks that need two sections at once, reading and writing whole ``run.yaml``/``run.json`` files,
-``config_hash()`` (what the p2p handshake compares), and the ``tiny_demo()`` preset. It doesn't
+``config_hash()`` (what the p2p handshake compares), and the presets: ``sahajbert()`` (the seed
+run, data included), ``tiny_demo()``, and the optimizer recipes of ``with_recipe()``. It doesn't
 hold the sections themselves (their own modules in ``kit.config``) and reads no environment
 variables: everything a run depends on is in the file, so two peers with the same file agree.
 """
@@ -22,7 +23,14 @@ from kit.config.access import AccessConfig, CheckpointConfig
 from kit.config.data import DataConfig, SourceConfig, TokenizerConfig
 from kit.config.fields import _check_keys, config_error, load_config_file
 from kit.config.model import ModelConfig
-from kit.config.training import CollaborationConfig, OptimizerConfig
+from kit.config.training import (
+    SAHAJBERT_COLLABORATION,
+    SAHAJBERT_OPTIMIZER,
+    TTT_COLLABORATION,
+    TTT_OPTIMIZER,
+    CollaborationConfig,
+    OptimizerConfig,
+)
 
 #: Bumped whenever what goes into ``config_hash()`` changes, so old and new kits never match.
 CONFIG_HASH_VERSION = 1
@@ -38,9 +46,18 @@ PEER_LOCAL_FIELDS = (
     "data.tokenize_batch_size",  # this peer's speed
     "collaboration.batch_size_per_step",  # this peer's GPU memory
     "collaboration.load_state_timeout",  # this peer's download link
+    "collaboration.offload_optimizer",  # this peer's GPU memory (the same numbers, on CPU copies)
 )
 #: File suffixes ``to_file``/``from_file`` understand.
 YAML_SUFFIXES = (".yaml", ".yml")
+#: Optimizer/collaboration recipes of ``with_recipe()``: name -> (optimizer, collaboration fields).
+RECIPES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "sahajbert": (SAHAJBERT_OPTIMIZER, SAHAJBERT_COLLABORATION),
+    "ttt": (TTT_OPTIMIZER, TTT_COLLABORATION),
+}
+#: sahajBERT's corpus today (its 2021 sources no longer load, see ``RunConfig.sahajbert``).
+SAHAJBERT_WIKIPEDIA = ("wikimedia/wikipedia", "20231101.bn")
+SAHAJBERT_WEB = ("HuggingFaceFW/fineweb-2", "ben_Beng")
 #: The placeholder data files of ``tiny_demo()``; the demo writes its corpus there.
 DEMO_DATA_FILES = ("demo_corpus/*.txt",)
 
@@ -118,6 +135,13 @@ class RunConfig:
                 "model.type_vocab_size",
                 f"is {model.type_vocab_size}, but sentence-order examples have two segments",
                 "use 2",
+            )
+        if self.collaboration.reuse_grad_buffers and self.optimizer.clip_grad_norm is not None:
+            raise config_error(
+                "optimizer.clip_grad_norm",
+                "clips each local step's gradients, but with collaboration.reuse_grad_buffers "
+                ".grad holds the sum of several steps",
+                "set clip_grad_norm: null and clip inside the optimizer (max_grad_norm: 4.0)",
             )
         names = {source.name for source in data.sources}
         for name in tokenizer.train_sources:
@@ -241,6 +265,78 @@ class RunConfig:
         ]
 
     # --- presets --------------------------------------------------------------------------------
+
+    @classmethod
+    def sahajbert(cls, run_id: str = "sahajbert") -> RunConfig:
+        """sahajBERT, the seed run (DeDLOC, Diskin et al. 2021; recipes.md §1-3), data included.
+
+        Model: albert-large-v2 with a 32,000-token vocabulary (~18M parameters, one shared
+        layer run 24 times). Tokenizer: the Bengali recipe (NMT + NFKC + Bengali normalizer,
+        Unigram 32k), trained on the web corpus only, as sahajBERT trained it on OSCAR only.
+        Optimizer: LAMB as ``torch_optimizer.Lamb(debias=True, clamp_value=10000)``, lr 0.00176,
+        betas (0.9, 0.999), eps 1e-6, weight decay 0.01 (not on biases and LayerNorm weights),
+        local gradients clipped to 1.0, ``get_linear_schedule_with_warmup`` with 5,000 warmup
+        and 1,000,000 total global steps (the run stopped at 19,519). Collaboration: 4,096
+        sequences of up to 512 tokens per global step, groups of up to 256, fp16 on the wire,
+        averaging timeout 120 s. Checkpoints every 50 global steps (as the Hub history shows).
+
+        Data, mixed as sahajBERT mixed it (``merge_datasets(..., probabilities=[0.23, 0.77])``):
+
+        * ``wiki`` (0.23): Bengali Wikipedia, ``wikimedia/wikipedia`` config ``20231101.bn``
+          (parquet, no loading script; CC BY-SA 3.0 and GFDL). sahajBERT read the dump of
+          2021-03-20 through ``lhoestq/wikipedia_bn``, a loading script that current
+          ``datasets`` (>= 4) refuses to run.
+        * ``web`` (0.77): ``HuggingFaceFW/fineweb-2`` config ``ben_Beng`` (parquet, no loading
+          script; ODC-By 1.0, and Common Crawl's terms of use). sahajBERT read OSCAR
+          (``oscar``/``unshuffled_deduplicated_bn``), a script dataset that no longer loads;
+          FineWeb-2's Bengali is also Common Crawl, deduplicated and quality-filtered per
+          language, and the largest Bengali web corpus that loads as plain parquet.
+
+        Both stream; nothing is downloaded before training starts. Pin ``revision`` of each
+        source to a commit for a long run, so that peers joining later read the same data.
+
+        Args:
+            run_id: the collaboration's name (peers of another run id are refused).
+        """
+        wiki_path, wiki_subset = SAHAJBERT_WIKIPEDIA
+        web_path, web_subset = SAHAJBERT_WEB
+        return cls(
+            tokenizer=TokenizerConfig(train_sources=("web",)),
+            data=DataConfig(
+                sources=(
+                    SourceConfig(name="wiki", path=wiki_path, subset=wiki_subset, probability=0.23),
+                    SourceConfig(name="web", path=web_path, subset=web_subset, probability=0.77),
+                ),
+            ),
+            optimizer=OptimizerConfig(**SAHAJBERT_OPTIMIZER),
+            collaboration=CollaborationConfig(run_id=run_id, **SAHAJBERT_COLLABORATION),
+            checkpoint=CheckpointConfig(every_epochs=50),
+        )
+
+    def with_recipe(self, name: str) -> RunConfig:
+        """This run with the optimizer and collaboration recipe ``name``, for any model.
+
+        ``"sahajbert"``: LAMB with debias, lr 0.00176, local clipping 1.0, warmup 5,000 / total
+        1,000,000 global steps, fp16 codecs (see :meth:`sahajbert`). ``"ttt"``: Training
+        Transformers Together's 8-bit LAMB offloaded to the CPU, lr 0.0025, betas (0.9, 0.96),
+        weight decay 0.045, no debias, clipping at 4.0 inside the optimizer, warmup 3,125 /
+        total 31,250, size-adaptive codecs, ``delay_optimizer_step``, ``reuse_grad_buffers``
+        (``kit.config.training.ttt_optimizer``). The run id, the per-peer batch and the timeouts
+        not named by the recipe are kept.
+
+        Raises:
+            ConfigError: an unknown recipe name.
+        """
+        if name not in RECIPES:
+            raise config_error(
+                "recipe", f"{name!r} is not a recipe", f"use one of {', '.join(RECIPES)}"
+            )
+        optimizer, collaboration = RECIPES[name]
+        return dataclasses.replace(
+            self,
+            optimizer=OptimizerConfig(**optimizer),
+            collaboration=dataclasses.replace(self.collaboration, **collaboration),
+        )
 
     @classmethod
     def tiny_demo(cls, data_files: Sequence[str] = DEMO_DATA_FILES) -> RunConfig:

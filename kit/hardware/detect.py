@@ -19,7 +19,8 @@ logger = logging.getLogger(__name__)
 
 GIB = 1024**3
 #: fp32 state tensors per parameter for each optimizer kind (Adam/AdamW/LAMB keep m and v).
-OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "lamb": 2, "sgd": 1}
+#: "lamb8bit" keeps the same two, in 8 bits (kit.training.lamb8bit).
+OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "lamb": 2, "lamb8bit": 2, "sgd": 1}
 #: Device memory the CUDA context and kernels take outside torch's allocator (not in the probe).
 CUDA_CONTEXT_BYTES = GIB // 2
 #: Analytic estimates are multiplied by this: the TTT memory calculator notes that real PyTorch

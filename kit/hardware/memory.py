@@ -32,7 +32,9 @@ class TrainingNeeds:
     intermediate_size: int = 0  # FFN width; 0 means 4 x hidden_size
     shared_parameters: int = 0  # of `parameters`, those reused across layers (ALBERT: the layer)
     supports_checkpointing: bool = True  # False for models that refuse it (ALBERT, transformers 5)
-    optimizer: str = "lamb"  # adam, adamw, lamb (2 fp32 states per parameter) or sgd (1)
+    optimizer: str = (
+        "lamb"  # adam, adamw, lamb (2 fp32 states per parameter), lamb8bit (2 in 8 bits) or sgd (1)
+    )
 
     def __post_init__(self) -> None:
         positive = ("parameters", "hidden_size", "num_layers", "attention_heads")
@@ -68,12 +70,19 @@ def supports_gradient_checkpointing(model: Any) -> bool:
 
 
 def needs_from_model(
-    model: Any, *, sequence_length: int, batch_size_per_step: int, optimizer: str = "lamb"
+    model: Any,
+    *,
+    sequence_length: int,
+    batch_size_per_step: int,
+    optimizer: str = "lamb",
+    supports_checkpointing: bool | None = None,
 ) -> TrainingNeeds:
     """Read :class:`TrainingNeeds` off a transformers model (its ``config`` and parameters).
 
     Shared parameters are found for ALBERT-style configs (``num_hidden_groups`` below
     ``num_hidden_layers``): the parameters of the ``layer_groups`` modules.
+    ``supports_checkpointing``: whether the trainer can checkpoint this model (kit checkpoints
+    ALBERT itself, ``kit.training.checkpointing``); None = ask transformers.
     """
     config = model.config
     layers = int(config.num_hidden_layers)
@@ -92,7 +101,9 @@ def needs_from_model(
         batch_size_per_step=batch_size_per_step,
         intermediate_size=int(getattr(config, "intermediate_size", 0) or 0),
         shared_parameters=shared,
-        supports_checkpointing=supports_gradient_checkpointing(model),
+        supports_checkpointing=supports_gradient_checkpointing(model)
+        if supports_checkpointing is None
+        else supports_checkpointing,
         optimizer=optimizer,
     )
 
@@ -143,7 +154,10 @@ def estimate_memory(
         layers = needs.num_layers * layer
     head = s * needs.vocab_size * (element + 8) + 4 * s * d * element
     p = needs.parameters
-    state_bytes = needs.optimizer_states * (1 if optimizer_8bit else 4) * p
+    # 8-bit statistics: 1 byte per state and parameter; the fp32 scale per 4096-element block
+    # and the fp32 statistics of small tensors (biases, norms) add ~1% on transformers.
+    eight_bit = optimizer_8bit or needs.optimizer == "lamb8bit"
+    state_bytes = needs.optimizer_states * (1 if eight_bit else 4) * p
     weights = 4 * p + (2 * p if half else 0)
     gradients = 4 * p
     optimizer = 0 if offload else state_bytes
@@ -318,3 +332,27 @@ def _precision(capability: tuple[int, int] | None, reasons: list[str]) -> tuple[
         "is_bf16_supported() says True only through slow emulation)."
     )
     return "fp16", True
+
+
+def optimizer_state_bytes(optimizer: Any) -> int:
+    """Bytes of every tensor in a torch optimizer's state, each storage counted once (shared
+    quantization maps of 8-bit optimizers once): what its statistics really take, to compare
+    with :func:`estimate_memory`'s ``optimizer``."""
+    import torch
+
+    seen: set[int] = set()
+    total = 0
+    for state in optimizer.state.values():
+        for value in _tensors_in(state):
+            if isinstance(value, torch.Tensor):
+                key = value.untyped_storage().data_ptr()
+                if key not in seen:
+                    seen.add(key)
+                    total += value.untyped_storage().nbytes()
+    return total
+
+
+def _tensors_in(value: Any) -> list[Any]:
+    if isinstance(value, dict):
+        return [tensor for item in value.values() for tensor in _tensors_in(item)]
+    return [value]

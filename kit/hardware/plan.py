@@ -41,12 +41,13 @@ logger = logging.getLogger(__name__)
 class TrainingPlan:
     """How this peer trains; ``reasons`` explains every choice to the volunteer."""
 
-    device: str = "cpu"  # torch device: "cuda", "cuda:0" (kit uses one GPU), "mps" or "cpu"
+    device: str = "cpu"  # torch device of the main model: "cuda", "cuda:0", "mps" or "cpu"
+    devices: tuple[str, ...] = ()  # with several GPUs: one model replica per device (device first)
     precision: str = "fp32"  # "bf16" or "fp16" autocast, or "fp32" (no autocast)
     grad_scaler: bool = False  # fp16 only: scale the loss so small gradients don't underflow
-    micro_batch: int = 0  # samples per forward/backward (0 for an auxiliary peer)
+    micro_batch: int = 0  # samples per forward/backward on each device (0 for an auxiliary peer)
     accumulation_steps: int = 0  # micro-batches summed per peer step (0 for an auxiliary peer)
-    optimizer_8bit: bool = False  # bitsandbytes 8-bit optimizer statistics (2, not 8 bytes/param)
+    optimizer_8bit: bool = False  # 8-bit LAMB statistics (bitsandbytes; ~2, not 8 bytes/param)
     offload_optimizer: bool = False  # optimizer runs on CPU copies (hivemind offload_optimizer)
     gradient_checkpointing: bool = False  # recompute activations in backward: ~1/3 slower
     auxiliary: bool = False  # only help averaging, compute no gradients (hivemind auxiliary)
@@ -56,9 +57,14 @@ class TrainingPlan:
     reasons: tuple[str, ...] = ()  # one human-readable line per decision
 
     @property
+    def replicas(self) -> int:
+        """Model replicas trained in parallel, one per device (1 without ``devices``)."""
+        return max(1, len(self.devices))
+
+    @property
     def batch_size_per_step(self) -> int:
-        """Samples per peer step: micro_batch x accumulation_steps (>= the target)."""
-        return self.micro_batch * self.accumulation_steps
+        """Samples per peer step: micro_batch x accumulation_steps x replicas (>= the target)."""
+        return self.micro_batch * self.accumulation_steps * self.replicas
 
 
 @dataclass(frozen=True)
@@ -109,11 +115,15 @@ def plan(
             f" are shared across {needs.num_layers} layers: weights are small, but activations "
             "and compute scale with every layer."
         )
-    gpu = _usable_gpu(hw, reasons)
-    if gpu is not None:
+    gpus = _usable_gpus(hw, reasons)
+    if gpus:
+        gpu = gpus[0]
         device = "cuda" if len(hw.gpus or ()) == 1 else f"cuda:{gpu.index}"
+        devices = tuple(f"cuda:{g.index}" for g in gpus) if len(gpus) > 1 else ()
         budget = max_memory_fraction * gpu.total_memory - CUDA_CONTEXT_BYTES
-        return _plan_accelerator(needs, hw, device, gpu.capability, budget, probe, reasons)
+        return _plan_accelerator(
+            needs, hw, device, gpu.capability, budget, probe, reasons, devices=devices
+        )
     if hw.mps:
         ram = hw.ram_bytes or FALLBACK_RAM_BYTES
         budget = max_memory_fraction * MPS_SHARE_OF_RAM * ram
@@ -122,7 +132,14 @@ def plan(
     return _plan_cpu(needs, hw, max_memory_fraction, min_samples_per_second, reasons)
 
 
-def _usable_gpu(hw: Hardware, reasons: list[str]) -> GPU | None:
+def _usable_gpus(hw: Hardware, reasons: list[str]) -> list[GPU]:
+    """The GPUs to train on: the first one torch can run, and every other of the same model.
+
+    One peer trains on all of them (a model replica per GPU, gradients summed locally, samples
+    counted once: ``kit.training.replicas``), so Kaggle's "GPU T4 x2" is one peer on 2 x T4.
+    GPUs of another model stay idle: the slower one would hold the faster one back.
+    """
+    usable: list[GPU] = []
     for gpu in hw.gpus or ():
         sm = "sm_{}{}".format(*gpu.capability)
         if gpu.supported is False:
@@ -132,18 +149,38 @@ def _usable_gpu(hw: Hardware, reasons: list[str]) -> GPU | None:
                 "runtime (Kaggle: 'GPU T4 x2'), or install an older torch built for it."
             )
             continue
+        if usable:
+            if (gpu.name, gpu.total_memory, gpu.capability) == (
+                usable[0].name,
+                usable[0].total_memory,
+                usable[0].capability,
+            ):
+                usable.append(gpu)
+            continue
         if gpu.supported is None and gpu.capability < (7, 5):
             reasons.append(
                 f"warning: {gpu.name} is {sm}; recent CUDA builds of torch need sm_75 or newer "
                 "and may fail on it."
             )
-        count = len(hw.gpus or ())
+        usable.append(gpu)
+    if not usable:
+        return []
+    first = usable[0]
+    sm = "sm_{}{}".format(*first.capability)
+    idle = len(hw.gpus or ()) - len(usable)
+    if len(usable) > 1:
+        where = f"{len(usable)} × {first.name} ({_size(first.total_memory)} each, {sm})"
         reasons.append(
-            f"training on GPU {gpu.index}: {gpu.name} ({_size(gpu.total_memory)}, {sm})"
-            + (f"; kit uses one GPU per peer, {count - 1} more stay idle." if count > 1 else ".")
+            f"training on {where}: one model replica per GPU, gradients summed on GPU "
+            f"{first.index}, one peer in the swarm."
         )
-        return gpu
-    return None
+    else:
+        reasons.append(
+            f"training on GPU {first.index}: {first.name} ({_size(first.total_memory)}, {sm})."
+        )
+    if idle > 0:
+        reasons.append(f"{idle} GPU(s) of another model (or unusable) stay idle.")
+    return usable
 
 
 def _plan_accelerator(
@@ -154,8 +191,13 @@ def _plan_accelerator(
     budget: float,
     probe: MemoryProbe | None,
     reasons: list[str],
+    *,
+    devices: tuple[str, ...] = (),
 ) -> TrainingPlan:
     precision, scaler = _precision(capability, reasons)
+    replicas = max(1, len(devices))
+    # Each replica trains its share of the peer's samples per step.
+    target = -(-needs.batch_size_per_step // replicas)
     is_cuda = capability is not None
     measured: dict[int, int | None] = {}
 
@@ -186,13 +228,11 @@ def _plan_accelerator(
         return scale * _without_optimizer(estimate) + estimate.optimizer
 
     def largest(layout: _Layout) -> int:
-        return largest_fitting_batch(
-            lambda b: device_bytes(b, layout) <= budget, needs.batch_size_per_step
-        )
+        return largest_fitting_batch(lambda b: device_bytes(b, layout) <= budget, target)
 
-    layout = _Layout()
+    layout = _Layout(optimizer_8bit=needs.optimizer == "lamb8bit")
     best = largest(layout)
-    goal = min(needs.batch_size_per_step, MIN_USEFUL_MICRO_BATCH)
+    goal = min(target, MIN_USEFUL_MICRO_BATCH)
     savers = _memory_savers(needs, hw, is_cuda, reasons) if best < goal else iter(())
     for saver, why in savers:  # lazily: a saver not needed is neither tried nor explained
         candidate = dataclasses.replace(layout, **{saver: True})
@@ -212,16 +252,19 @@ def _plan_accelerator(
             "memory, or lower sequence_length in the run config."
         )
         return TrainingPlan(auxiliary=True, memory_source=source, reasons=tuple(reasons))
-    micro, accumulation = _split_batch(needs.batch_size_per_step, best)
+    micro, accumulation = _split_batch(target, best)
     peak = int(device_bytes(micro, layout))
+    per_gpu = f" x {replicas} GPUs" if replicas > 1 else ""
     reasons.append(
-        f"micro-batch {micro} x {accumulation} accumulation step(s) = {micro * accumulation} "
-        f"samples per step (target {needs.batch_size_per_step}); up to {best} fit under "
+        f"micro-batch {micro} x {accumulation} accumulation step(s){per_gpu} = "
+        f"{micro * accumulation * replicas} samples per step (target "
+        f"{needs.batch_size_per_step}); up to {best} fit under "
         f"{_size(budget)} ({_SOURCE_WORDS[source]}), "
         f"expected peak {_size(peak)}."
     )
     return TrainingPlan(
         device=device,
+        devices=devices,
         precision=precision,
         grad_scaler=scaler,
         micro_batch=micro,
@@ -242,9 +285,11 @@ def _memory_savers(
 
     A generator, so a skipped saver is explained only if the plan got that far.
     """
-    if is_cuda and hw.bitsandbytes:
-        yield "optimizer_8bit", "8-bit optimizer statistics (bitsandbytes) save GPU memory"
-    elif is_cuda:
+    # 8-bit statistics only where kit will build them: an 8-bit LAMB needs bitsandbytes and a
+    # LAMB run (kit has no 8-bit AdamW); "lamb8bit" runs have them from the start.
+    if is_cuda and needs.optimizer == "lamb" and hw.bitsandbytes:
+        yield "optimizer_8bit", "8-bit LAMB statistics (bitsandbytes) save GPU memory"
+    elif is_cuda and needs.optimizer == "lamb":
         reasons.append("8-bit optimizer unavailable (pip install bitsandbytes to enable it).")
     if is_cuda:
         host = estimate_memory(needs, 1, offload=True).host_bytes
@@ -309,6 +354,7 @@ def _plan_cpu(
     return TrainingPlan(
         micro_batch=micro,
         accumulation_steps=accumulation,
+        optimizer_8bit=needs.optimizer == "lamb8bit",
         estimated_peak_bytes=peak,
         estimated_samples_per_second=speed,
         reasons=tuple(reasons),

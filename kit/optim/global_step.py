@@ -43,6 +43,7 @@ class GlobalStep:
     _inner: InnerOptimizer
     _accumulated: GradientAccumulator
     _exact_gradients: bool
+    exact_steps: bool
     _in_step: bool
     _last_group_size: int
     _outcome: RoundOutcome | None
@@ -97,7 +98,9 @@ class GlobalStep:
                 # leave it. Stay at this epoch in their view until they are done.
                 self._held_report = (epoch, samples)
                 self._hold_until = time.monotonic() + self._round_search_time()
-            self._outcome = RoundOutcome(epoch, result, expected, self._exact_gradients)
+            self._outcome = RoundOutcome(
+                epoch, result, expected, self._exact_gradients and self.exact_steps
+            )
             with self.grad_averager.get_tensors() as buffers:
                 self._inner.set_gradients(buffers, reuse_grad_buffers=self.reuse_grad_buffers)
             stepped = True
@@ -116,7 +119,9 @@ class GlobalStep:
 
         def average() -> None:  # in the optimizer's thread
             result, expected = self._average_gradients(epoch, samples)
-            self._outcome = RoundOutcome(epoch, result, expected, self._exact_gradients)
+            self._outcome = RoundOutcome(
+                epoch, result, expected, self._exact_gradients and self.exact_steps
+            )
             with self.grad_averager.get_tensors() as buffers:
                 self._inner.set_gradients(buffers, reuse_grad_buffers=False)
 

@@ -187,6 +187,10 @@ class Optimizer(StateSharing, GlobalStep, torch.optim.Optimizer):
         self._exact_gradients = grad_compression is None or isinstance(
             grad_compression, NoCompression
         )
+        # False when this peer's inner optimizer computes differently from the others' (8-bit
+        # statistics chosen by its memory plan): its steps are never bit-identical to theirs,
+        # so every round marks it drifted and parameter averaging pulls it back.
+        self.exact_steps = True
         self._inner = InnerOptimizer(optimizer, params, copies=offload, delay=delay_step)
         self.opt = self._inner.opt
         self._params = self._inner.params
@@ -204,6 +208,7 @@ class Optimizer(StateSharing, GlobalStep, torch.optim.Optimizer):
         self._optimizer_step_pre_hooks = {}  # type: ignore[var-annotated]
         self._optimizer_step_post_hooks = {}  # type: ignore[var-annotated]
         self.local_epoch = 0
+        self.nonfinite_rollbacks = 0  # steps undone because they left a parameter non-finite
         self._in_step = False  # it has loaded a state or taken a global step with the others
         self._last_group_size = 0  # of the last gradient round (0: none, or it failed)
         self._outcome: RoundOutcome | None = None  # of a background gradient round, to conclude
@@ -348,6 +353,7 @@ class Optimizer(StateSharing, GlobalStep, torch.optim.Optimizer):
         finite = batch_size > 0 and self._accumulated.add(batch_size, grad_scaler)
         if finite and self.use_local_updates:
             self.opt.step()
+            self._roll_back_if_not_finite()
         self._report_progress()
         if self._held_report is None and self.tracker.ready_to_update_epoch:
             self._global_step()
@@ -413,6 +419,8 @@ class Optimizer(StateSharing, GlobalStep, torch.optim.Optimizer):
     def _after_update(self) -> None:
         """At a safe point after an optimizer step: judge its round, share it, average it."""
         self._conclude_round()
+        if self._roll_back_if_not_finite():
+            return  # nothing of that step is shared or averaged
         self._report_progress()  # a report held while the round ran may go now
         self._publish_state()
         needed = state_averaging_needed(
@@ -440,6 +448,31 @@ class Optimizer(StateSharing, GlobalStep, torch.optim.Optimizer):
         )
         if not self.delay_state_averaging:
             self._finish_state_round(wait=None)
+
+    def _roll_back_if_not_finite(self) -> bool:
+        """Undo a step that left any parameter inf or NaN; True if it did.
+
+        Checked before the new parameters are shared, served or averaged, so a diverged peer
+        never spreads them (sahajBERT's trainer restored a copy for the same reason, recipes.md
+        §3.1). The peer reloads its last shared state (parameters, optimizer and scheduler, one
+        epoch back), flags itself drifted, and catches up with the others' current state at its
+        next step; ``nonfinite_rollbacks`` counts these (the volunteer's status shows it).
+        """
+        if _all_finite(self._params):
+            return False
+        self.nonfinite_rollbacks += 1
+        snapshot = self._state_server.snapshot
+        logger.warning(
+            "a step left non-finite parameters: rolled back to the state of epoch %s and "
+            "catching up with peers (rollbacks so far: %d) - help: lower optimizer.lr or raise "
+            "optimizer.eps if this repeats",
+            snapshot.epoch if snapshot is not None else "?",
+            self.nonfinite_rollbacks,
+        )
+        if snapshot is not None:
+            self._load_snapshot(snapshot, keep_accumulated=False)
+        self._set_drifted(True)
+        return True
 
     def _finish_state_round(self, wait: float | None) -> None:
         if not self._state_round.running or self._inner.pending:
@@ -480,3 +513,13 @@ class Optimizer(StateSharing, GlobalStep, torch.optim.Optimizer):
                 if math.isfinite(progress.eta_next_epoch)
                 else 0.5
             )
+
+
+def _all_finite(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether no element of ``tensors`` is inf or NaN (one device sync)."""
+    if not tensors:
+        return True
+    with torch.no_grad():
+        flags = [torch.isfinite(t).all() for t in tensors]
+        device = flags[0].device
+        return bool(torch.stack([flag.to(device) for flag in flags]).all())

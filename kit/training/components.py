@@ -60,39 +60,89 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[s
     ]
 
 
-def build_inner_optimizer(params: Any, config: OptimizerConfig) -> torch.optim.Optimizer:
-    """The local optimizer of ``config`` over ``params`` (groups keep their own weight decay)."""
-    if config.name == "lamb":
-        return Lamb(
+#: Where the bitsandbytes LAMB comes from, for the error message when it is missing.
+BITSANDBYTES_HINT = (
+    "pip install 'bitsandbytes>=0.45' (CUDA GPUs and, since 0.45, the CPU), or use optimizer.name: "
+    "lamb (8 bytes of statistics per parameter instead of ~2)"
+)
+
+
+def eight_bit_available() -> bool:
+    """Whether :class:`~kit.training.lamb8bit.Lamb8bit` can be built here (bitsandbytes imports)."""
+    try:
+        import kit.training.lamb8bit  # noqa: F401
+    except Exception:  # ImportError, or a broken CUDA set-up inside bitsandbytes' import
+        return False
+    return True
+
+
+def build_inner_optimizer(
+    params: Any, config: OptimizerConfig, *, name: str | None = None
+) -> torch.optim.Optimizer:
+    """The local optimizer of ``config`` over ``params`` (groups keep their own weight decay).
+
+    Args:
+        params: parameters or groups (:func:`parameter_groups`).
+        config: the ``optimizer:`` section.
+        name: build this optimizer instead of ``config.name`` (a peer's plan chose 8-bit
+            statistics for a ``lamb`` run: ``"lamb8bit"``).
+
+    Raises:
+        ConfigError: an unknown name, or ``lamb8bit`` without bitsandbytes.
+    """
+    name = name or config.name
+    lamb: dict[str, Any] = dict(
+        lr=config.lr,
+        betas=config.betas,
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+        clamp_value=config.lamb_clamp_value,
+        debias=config.lamb_debias,
+        max_grad_norm=config.max_grad_norm,
+    )
+    if name == "lamb":
+        return Lamb(params, **lamb)
+    if name == "lamb8bit":
+        try:
+            from kit.training.lamb8bit import Lamb8bit
+        except ImportError as error:
+            raise ConfigError(
+                f"optimizer lamb8bit needs bitsandbytes ({error}) - help: {BITSANDBYTES_HINT}"
+            ) from None
+        return Lamb8bit(params, **lamb)
+    if name == "adamw":
+        optimizer = torch.optim.AdamW(
             params,
             lr=config.lr,
             betas=config.betas,
             eps=config.eps,
             weight_decay=config.weight_decay,
-            clamp_value=config.lamb_clamp_value,
         )
-    if config.name == "adamw":
-        return torch.optim.AdamW(
-            params,
-            lr=config.lr,
-            betas=config.betas,
-            eps=config.eps,
-            weight_decay=config.weight_decay,
-        )
-    raise ConfigError(f"unknown optimizer {config.name!r} - help: use lamb or adamw")
+        if config.max_grad_norm is not None:
+            raise ConfigError(
+                "optimizer.max_grad_norm clips inside LAMB's step; AdamW has no such option - "
+                "help: use clip_grad_norm (local gradients), or optimizer.name: lamb"
+            )
+        return optimizer
+    raise ConfigError(f"unknown optimizer {name!r} - help: use lamb, lamb8bit or adamw")
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, config: OptimizerConfig) -> Any:
-    """Linear warmup, then linear decay to 0 at ``total_steps`` (or flat): one step per epoch."""
+    """The learning-rate schedule, stepped once per global step (epoch).
+
+    ``"linear"`` is ``transformers.get_linear_schedule_with_warmup`` (sahajBERT's and TTT's):
+    the factor is ``step / warmup`` during warmup (0 at the very first step), then falls
+    linearly to 0 at ``total_steps``. ``"constant"`` is ``get_constant_schedule_with_warmup``.
+    """
     warmup, total = config.warmup_steps, config.total_steps
     constant = config.schedule == "constant"
 
     def factor(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
+        if step < warmup:
+            return float(step) / float(max(1, warmup))
         if constant:
             return 1.0
-        return max(0.0, (total - step) / max(1, total - warmup))
+        return max(0.0, float(total - step) / float(max(1, total - warmup)))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
@@ -128,6 +178,7 @@ def build_collaborative_optimizer(
     batch_size_per_step: int | None,
     client_mode: bool | None = None,
     auxiliary: bool = False,
+    inner_optimizer: str | None = None,
     **overrides: Any,
 ) -> Any:
     """``kit.Optimizer`` for ``model`` with every setting taken from ``config``.
@@ -139,18 +190,23 @@ def build_collaborative_optimizer(
         batch_size_per_step: samples per local ``step()`` (the hardware plan's).
         client_mode: None = as the DHT's peer.
         auxiliary: a helper peer without gradients.
-        **overrides: other ``kit.Optimizer`` arguments (tests, benchmarks).
+        inner_optimizer: the local optimizer's name when this peer's plan chose another than
+            ``optimizer.name`` (``"lamb8bit"``: 8-bit statistics in a ``lamb`` run); its steps
+            then differ slightly from the others', so the optimizer flags itself drifted after
+            every round and parameter averaging keeps it in line.
+        **overrides: other ``kit.Optimizer`` arguments (the plan's ``offload_optimizer``, tests).
     """
     from kit.optim.optimizer import Optimizer
 
     collab: CollaborationConfig = config.collaboration
     groups = parameter_groups(model, config.optimizer.weight_decay)
+    local = inner_optimizer or config.optimizer.name
     arguments: dict[str, Any] = dict(
         dht=dht,
         run_id=collab.run_id,
         target_batch_size=collab.target_batch_size,
         batch_size_per_step=batch_size_per_step,
-        optimizer=lambda params: build_inner_optimizer(params, config.optimizer),
+        optimizer=lambda params: build_inner_optimizer(params, config.optimizer, name=local),
         params=groups,
         scheduler=lambda opt: build_scheduler(opt, config.optimizer),
         matchmaking_time=collab.matchmaking_time,
@@ -161,6 +217,21 @@ def build_collaborative_optimizer(
         auxiliary=auxiliary,
         grad_compression=codec(collab.grad_compression, collab.size_adaptive_threshold),
         state_averaging_compression=codec(collab.state_compression, collab.size_adaptive_threshold),
+        averager_opts=dict(
+            target_group_size=collab.target_group_size,
+            robust_aggregation=collab.robust_aggregation,
+            clip_tau=collab.clip_tau,
+        ),
     )
+    if not auxiliary:  # an auxiliary peer has no gradients and takes no optimizer steps
+        arguments.update(
+            delay_optimizer_step=collab.delay_optimizer_step,
+            delay_grad_averaging=collab.delay_grad_averaging,
+            use_local_updates=collab.use_local_updates,
+            reuse_grad_buffers=collab.reuse_grad_buffers,
+            offload_optimizer=collab.offload_optimizer,
+        )
     arguments.update(overrides)
-    return Optimizer(**arguments)
+    optimizer = Optimizer(**arguments)
+    optimizer.exact_steps = local == config.optimizer.name
+    return optimizer

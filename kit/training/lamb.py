@@ -1,10 +1,20 @@
 """LAMB: layer-wise adaptive moments for large global batches (You et al. 2020, Alg. 2).
 
-sahajBERT trained with LAMB at a global batch of 4096 sequences (DeDLOC §4.2, via
-``torch_optimizer.Lamb`` with ``clamp_value=10000`` and bias correction). LAMB is Adam whose update
-of each parameter tensor is rescaled by a trust ratio ``‖w‖ / ‖update‖``, so that every layer
-moves by a similar fraction of its norm whatever the batch size. This module holds only the
-optimizer; which parameters decay is decided by :func:`kit.training.components.parameter_groups`.
+sahajBERT trained with ``torch_optimizer.Lamb(debias=True, clamp_value=10000)`` at a global batch
+of 4096 sequences (DeDLOC §4.2); Training Transformers Together with the same LAMB without bias
+correction (the paper's v3) and global gradient clipping inside the step. :class:`Lamb` computes
+exactly what ``torch_optimizer.Lamb`` computes (tested against it: ``tests/training/test_lamb.py``):
+
+* ``m``, ``v``: Adam's moving averages, kept *uncorrected*;
+* ``u = m / (sqrt(v) + eps) + weight_decay * w``, and the trust ratio ``‖w‖ / ‖u‖`` (the weight
+  norm clamped to ``clamp_value``; 1 when either norm is 0, e.g. zero-initialized biases);
+* with ``debias``, the *step size* is scaled by ``sqrt(1 - beta2^t) / (1 - beta1^t)`` after the
+  trust ratio. (Bias-correcting m and v themselves would be cancelled by the trust ratio, which
+  is scale-free: a different optimizer, 3-5x larger first steps.)
+
+This module holds the update shared by the fp32 :class:`Lamb` and the 8-bit one
+(``kit.training.lamb8bit``) and global clipping; which parameters decay is decided by
+:func:`kit.training.components.parameter_groups`.
 """
 
 from __future__ import annotations
@@ -18,8 +28,81 @@ import torch
 from kit.errors import ConfigError
 
 
+def check_lamb_arguments(
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    clamp_value: float,
+    max_grad_norm: float | None,
+) -> None:
+    """Raise ConfigError (with a hint) for hyperparameters LAMB cannot use."""
+    if not lr > 0 or not 0 <= betas[0] < 1 or not 0 <= betas[1] < 1 or not eps > 0:
+        raise ConfigError(
+            f"Lamb: bad hyperparameters lr={lr}, betas={betas}, eps={eps}"
+            " - help: use lr > 0, betas in [0, 1), eps > 0"
+        )
+    if weight_decay < 0 or clamp_value <= 0:
+        raise ConfigError(
+            f"Lamb: weight_decay={weight_decay} and clamp_value={clamp_value}"
+            " - help: use weight_decay >= 0 and clamp_value > 0"
+        )
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise ConfigError(
+            f"Lamb: max_grad_norm={max_grad_norm} - help: use a positive norm (TTT: 4.0) or None"
+        )
+
+
+def step_size(group: dict[str, Any], step: int) -> float:
+    """``lr``, times ``sqrt(1 - beta2^t) / (1 - beta1^t)`` with ``debias`` (torch_optimizer's)."""
+    if not group["debias"]:
+        return float(group["lr"])
+    beta1, beta2 = group["betas"]
+    return float(group["lr"]) * math.sqrt(1 - beta2**step) / (1 - beta1**step)
+
+
+@torch.no_grad()
+def apply_lamb_update(
+    param: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    group: dict[str, Any],
+    step: int,
+) -> None:
+    """Move ``param`` by LAMB's step from its (already updated) moments ``exp_avg``/``exp_avg_sq``.
+
+    The operations and their order are torch_optimizer's, so the float32 results agree to
+    rounding: the trust ratio stays a 0-dim tensor (no round trip through a Python float).
+    """
+    weight = param if param.dtype == torch.float32 else param.float()
+    weight_norm = torch.norm(weight).clamp(0, group["clamp_value"])
+    adam_step = exp_avg / exp_avg_sq.sqrt().add(group["eps"])
+    if group["weight_decay"] != 0:
+        adam_step.add_(weight, alpha=group["weight_decay"])
+    adam_norm = torch.norm(adam_step)
+    # Trust ratio (You et al. 2020, eq. 6); 1 where either norm is zero (fresh zero biases).
+    trust: torch.Tensor | float = (
+        1.0 if weight_norm == 0 or adam_norm == 0 else weight_norm / adam_norm
+    )
+    scale = -step_size(group, step) * trust
+    if param.dtype == torch.float32:
+        param.add_(adam_step, alpha=scale)  # type: ignore[arg-type]  # a 0-dim tensor works
+    else:
+        param.add_((adam_step * scale).to(param.dtype))
+
+
+def clip_global_grad_norm(optimizer: torch.optim.Optimizer, max_norm: float | None) -> None:
+    """Clip the gradients of all the optimizer's parameters to one global L2 norm (TTT's
+    ``max_grad_norm`` inside the step: it acts on the *averaged* gradient, not a local one)."""
+    if max_norm is None:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    if params:
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
 class Lamb(torch.optim.Optimizer):
-    """LAMB with decoupled weight decay and bias correction.
+    """LAMB as ``torch_optimizer.Lamb`` computes it, with optional clipping inside the step.
 
     Args:
         params: parameters or parameter groups.
@@ -29,6 +112,10 @@ class Lamb(torch.optim.Optimizer):
         weight_decay: decoupled decay added to the update before the trust ratio.
         clamp_value: the weight norm in the trust ratio is clamped to this (torch_optimizer's
             ``clamp_value``); lower it if huge embeddings take steps that are too large.
+        debias: scale the step by ``sqrt(1 - beta2^t) / (1 - beta1^t)`` (sahajBERT: True; the
+            LAMB paper's v3 and TTT: False).
+        max_grad_norm: clip the gradients of all parameters to this global L2 norm before the
+            update (TTT: 4.0); None = no clipping here.
     """
 
     def __init__(
@@ -39,21 +126,20 @@ class Lamb(torch.optim.Optimizer):
         eps: float = 1e-6,
         weight_decay: float = 0.0,
         clamp_value: float = 10.0,
+        debias: bool = True,
+        max_grad_norm: float | None = None,
     ) -> None:
-        if not lr > 0 or not 0 <= betas[0] < 1 or not 0 <= betas[1] < 1 or not eps > 0:
-            raise ConfigError(
-                f"Lamb: bad hyperparameters lr={lr}, betas={betas}, eps={eps}"
-                " - help: use lr > 0, betas in [0, 1), eps > 0"
-            )
-        if weight_decay < 0 or clamp_value <= 0:
-            raise ConfigError(
-                f"Lamb: weight_decay={weight_decay} and clamp_value={clamp_value}"
-                " - help: use weight_decay >= 0 and clamp_value > 0"
-            )
+        check_lamb_arguments(lr, betas, eps, weight_decay, clamp_value, max_grad_norm)
         defaults = dict(
-            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, clamp_value=clamp_value
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            clamp_value=clamp_value,
+            debias=debias,
         )
         super().__init__(params, defaults)
+        self.max_grad_norm = max_grad_norm
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
@@ -61,33 +147,21 @@ class Lamb(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        clip_global_grad_norm(self, self.max_grad_norm)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for param in group["params"]:
                 if param.grad is None:
                     continue
-                grad = param.grad.float()
+                grad = param.grad if param.grad.dtype == torch.float32 else param.grad.float()
                 state = self.state[param]
                 if not state:
                     state["step"] = torch.zeros((), dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(param, dtype=torch.float32)
                     state["exp_avg_sq"] = torch.zeros_like(param, dtype=torch.float32)
                 state["step"] += 1
-                step = float(state["step"])
                 exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
                 exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
                 exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                corrected_avg = exp_avg / (1 - beta1**step)
-                corrected_sq = exp_avg_sq / (1 - beta2**step)
-                update = corrected_avg / (corrected_sq.sqrt() + group["eps"])
-                if group["weight_decay"]:
-                    update.add_(param.float(), alpha=group["weight_decay"])
-                weight_norm = float(param.float().norm().clamp(0, group["clamp_value"]))
-                update_norm = float(update.norm())
-                # Trust ratio (You et al. 2020, eq. 6); 1 where either norm is zero (fresh
-                # zero-initialized biases), as in the reference implementations.
-                trust = weight_norm / update_norm if weight_norm > 0 and update_norm > 0 else 1.0
-                if not math.isfinite(trust):
-                    trust = 1.0
-                param.add_(update.to(param.dtype), alpha=-group["lr"] * trust)
+                apply_lamb_update(param, exp_avg, exp_avg_sq, group, int(state["step"]))
         return loss

@@ -50,6 +50,7 @@ class TrainingStatus:
     peers_online: int = 0  # peers whose progress records are fresh
     samples_per_second: float = 0.0  # this peer's training speed
     samples_total: int = 0  # samples this peer processed since it started
+    rollbacks: int = 0  # steps undone because they left a parameter inf/NaN (never shared)
     loss_history: tuple[tuple[int, float], ...] = ()  # (local step, loss), newest last, bounded
     username: str | None = None  # the Hugging Face user this peer trains as
     rank: int | None = None  # this user's place on the leaderboard (1 = top); None = unknown

@@ -2,8 +2,9 @@
 ``TrainingStatus`` after each step.
 
 Holds :class:`Trainer`. One local step = ``plan.accumulation_steps`` micro-batches of
-``plan.micro_batch`` samples (forward under autocast when the plan says so, backward, gradients
-summed), then local gradient clipping and ``kit.Optimizer.step(batch_size=...)``, which
+``plan.micro_batch`` samples on each of the plan's devices (forward under autocast when the plan
+says so, backward, gradients summed into the main model: ``kit.training.replicas``), then local
+gradient clipping and ``kit.Optimizer.step(batch_size=...)``, which
 accumulates toward the collaboration's global batch and takes the global step when it is full
 (DeDLOC §3.1). The loop runs in the caller's thread (``run``) or in one worker thread it owns
 (``start``/``stop``), so that a notebook stays responsive while training: that thread only runs
@@ -29,6 +30,7 @@ import torch
 from kit.errors import KitError, StateDownloadFailed
 from kit.hardware.plan import TrainingPlan
 from kit.runtime import get_runtime
+from kit.training.replicas import Replicas
 from kit.training.status import LOSS_HISTORY_LIMIT, TrainingState, TrainingStatus
 
 logger = logging.getLogger(__name__)
@@ -54,6 +56,8 @@ class Trainer:
         clip_grad_norm: clip each local step's gradients to this L2 norm (None: no clipping).
         username: shown in the status.
         device_label: shown in the status, e.g. "Tesla T4 (fp16)".
+        replicas: the model's replicas on the plan's devices (several GPUs); default: the model
+            alone on ``plan.device``.
     """
 
     def __init__(
@@ -66,8 +70,13 @@ class Trainer:
         clip_grad_norm: float | None = 1.0,
         username: str | None = None,
         device_label: str | None = None,
+        replicas: Replicas | None = None,
     ) -> None:
         self.model = model
+        self.replicas = replicas or Replicas(model, (plan.device,))
+        # With reuse_grad_buffers .grad sums the whole epoch: kit.Optimizer clears it and
+        # handles the loss scale itself.
+        self.reuse_grad_buffers = bool(getattr(optimizer, "reuse_grad_buffers", False))
         self.optimizer = optimizer
         self.batches = batches
         self.plan = plan
@@ -170,7 +179,7 @@ class Trainer:
     def run(self, *, max_steps: int | None = None, max_seconds: float | None = None) -> None:
         """Train in this thread until :meth:`stop`, ``max_steps`` local steps or ``max_seconds``."""
         deadline = math.inf if max_seconds is None else time.monotonic() + max_seconds
-        self.model.train()
+        self.replicas.train()
         self._catch_up()
         try:
             while not self._stop.is_set() and time.monotonic() < deadline:
@@ -194,6 +203,8 @@ class Trainer:
                 message=f"{type(error).__name__}: {error} - help: report this with the log above",
             )
             raise
+        finally:
+            self.replicas.close()
         self.update_status(state=TrainingState.STOPPED, message="stopped")
 
     # --- one step ----------------------------------------------------------------------------
@@ -218,25 +229,24 @@ class Trainer:
         total_loss = torch.zeros((), device=self.device)
         samples = 0
         steps = max(1, self.plan.accumulation_steps)
+        micro_batches = steps * len(self.replicas)
+        if len(self.replicas) > 1:
+            self.replicas.sync_parameters()  # the optimizer changed the main model only
+        scale = self.scaler.scale if self.scaler is not None else None
         for _ in range(steps):
-            batch = next(self.batches)
-            batch = {
-                name: tensor.to(self.device, non_blocking=True) for name, tensor in batch.items()
-            }
-            with self._autocast():
-                loss = self.model(**batch).loss
-            if self.scaler is not None:
-                self.scaler.scale(loss / steps).backward()
-            else:
-                (loss / steps).backward()
-            total_loss += loss.detach().float()  # summed on the device: one sync per step
-            samples += int(batch["input_ids"].shape[0])
-        if self.scaler is not None:
+            batches = [next(self.batches) for _ in range(len(self.replicas))]
+            loss = self.replicas.forward_backward(
+                batches, micro_batches, autocast=self._autocast_on, scale=scale
+            )
+            total_loss += loss.to(self.device)  # summed on the device: one sync per step
+            samples += sum(int(batch["input_ids"].shape[0]) for batch in batches)
+        self.replicas.gather_gradients()
+        if self.scaler is not None and not self.reuse_grad_buffers:
             self.scaler.unscale_(self.optimizer)
         if self.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad_norm)
         compute = time.perf_counter() - started
-        mean_loss = float(total_loss) / steps
+        mean_loss = float(total_loss) / micro_batches
         self.local_steps += 1
         self.samples_total += samples
         self.compute_seconds += compute
@@ -252,8 +262,11 @@ class Trainer:
             )
         elif tracker.ready_to_update_epoch:
             self.update_status(state=TrainingState.AVERAGING)
-        self.optimizer.step(batch_size=samples)
-        self.optimizer.zero_grad()
+        if self.reuse_grad_buffers:  # the optimizer unscales the summed .grad itself
+            self.optimizer.step(batch_size=samples, grad_scaler=self.scaler)
+        else:
+            self.optimizer.step(batch_size=samples)
+            self.optimizer.zero_grad()
         if self.scaler is not None:
             self.scaler.update()
         self._report(TrainingState.TRAINING)
@@ -262,10 +275,10 @@ class Trainer:
         self.optimizer.step()
         self._report(TrainingState.AVERAGING)
 
-    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+    def _autocast_on(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+        return torch.autocast(device.type, dtype=self.autocast_dtype)
 
     def _report(self, state: TrainingState) -> None:
         progress = self.optimizer.tracker.global_progress
@@ -293,5 +306,6 @@ class Trainer:
             peers_online=progress.num_peers,
             samples_per_second=rate,
             samples_total=self.samples_total,
+            rollbacks=int(getattr(self.optimizer, "nonfinite_rollbacks", 0)),
             loss_history=losses,
         )
