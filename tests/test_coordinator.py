@@ -167,6 +167,8 @@ def test_allowlisted_run_leaderboard_checkpoints_and_restart(tmp_path, hub) -> N
             volunteer.stop()
         coordinator.shutdown()
     assert volunteer.status.state.value == "stopped"
+    # Its data position was saved beside its key: a restart goes on from there.
+    assert list((tmp_path / "alice" / ".kit").glob("data-position-*.json"))
 
 
 @pytest.mark.timeout(300)

@@ -209,6 +209,7 @@ class Optimizer(StateSharing, GlobalStep, torch.optim.Optimizer):
         self._optimizer_step_post_hooks = {}  # type: ignore[var-annotated]
         self.local_epoch = 0
         self.nonfinite_rollbacks = 0  # steps undone because they left a parameter non-finite
+        self._last_shared: StateSnapshot | None = None  # the last state this peer shared
         self._in_step = False  # it has loaded a state or taken a global step with the others
         self._last_group_size = 0  # of the last gradient round (0: none, or it failed)
         self._outcome: RoundOutcome | None = None  # of a background gradient round, to conclude
@@ -461,7 +462,7 @@ class Optimizer(StateSharing, GlobalStep, torch.optim.Optimizer):
         if _all_finite(self._params):
             return False
         self.nonfinite_rollbacks += 1
-        snapshot = self._state_server.snapshot
+        snapshot = self._last_shared
         logger.warning(
             "a step left non-finite parameters: rolled back to the state of epoch %s and "
             "catching up with peers (rollbacks so far: %d) - help: lower optimizer.lr or raise "

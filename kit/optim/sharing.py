@@ -68,6 +68,7 @@ class StateSharing:
     _catch_up_epoch: int
     _catch_up_tries: int
     _drifted: bool
+    _last_shared: StateSnapshot | None
 
     def _finish_optimizer_step(self, wait: float | None) -> None:
         raise NotImplementedError
@@ -239,6 +240,7 @@ class StateSharing:
             return
 
         drifted = self._drifted
+        self._last_shared = snapshot  # what a non-finite step rolls back to (set at once)
 
         async def publish(_: Any, node: Any) -> None:
             await self._state_server.publish(snapshot, drifted=drifted)

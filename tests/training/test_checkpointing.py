@@ -63,7 +63,10 @@ def test_checkpointed_albert_has_the_same_loss_and_gradients_and_keeps_less() ->
     loss, grads, plain_bytes = loss_gradients_and_saved_bytes(plain)
     loss_c, grads_c, checkpointed_bytes = loss_gradients_and_saved_bytes(checkpointed)
     assert abs(loss - loss_c) <= 1e-6 * abs(loss)
-    flat, flat_c = torch.cat([g.flatten() for g in grads]), torch.cat([g.flatten() for g in grads_c])
+    flat, flat_c = (
+        torch.cat([g.flatten() for g in grads]),
+        torch.cat([g.flatten() for g in grads_c]),
+    )
     assert float((flat - flat_c).norm() / flat.norm()) <= 1e-6
     # Measured: what autograd keeps for backward shrinks (the two layers' insides are dropped).
     assert checkpointed_bytes < 0.75 * plain_bytes, (checkpointed_bytes, plain_bytes)

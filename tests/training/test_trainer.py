@@ -119,6 +119,29 @@ def test_bf16_autocast_on_cpu_trains(dht) -> None:
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
 
 
+def test_a_step_that_turns_parameters_nan_is_rolled_back_and_shown(dht) -> None:
+    trainer = make_trainer(dht, TrainingPlan(micro_batch=2, accumulation_steps=2))
+    inner = trainer.optimizer.opt
+    original, calls = inner.step, []
+
+    def exploding_step(closure=None):
+        calls.append(1)
+        result = original(closure)
+        if len(calls) == 2:  # the second global step diverges
+            with torch.no_grad():
+                inner.param_groups[0]["params"][0].fill_(float("inf"))
+        return result
+
+    inner.step = exploding_step
+    try:
+        trainer.run(max_steps=6)
+    finally:
+        trainer.optimizer.shutdown()
+    assert len(calls) >= 2
+    assert trainer.status.rollbacks == 1
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
 def test_a_failing_listener_does_not_stop_training(dht) -> None:
     trainer = make_trainer(dht, TrainingPlan(micro_batch=2, accumulation_steps=1))
 
