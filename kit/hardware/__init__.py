@@ -10,7 +10,9 @@ training loop: the volunteer flow reads the :class:`TrainingPlan` and does that.
 How a plan is made, in order:
 
 1. Device. The first CUDA GPU the installed torch can run (its arch list is checked, so a Kaggle
-   P100, sm_60, is refused by current builds with a reason), else Apple MPS, else the CPU.
+   P100, sm_60, is refused by current builds with a reason), and every other GPU of the same
+   model (one peer trains on all of them: a replica per GPU, ``kit.training.replicas``; the plan
+   says e.g. "2 × Tesla T4" and counts their samples once), else Apple MPS, else the CPU.
 2. Precision. bf16 on compute capability >= 8.0 (Ampere and newer); fp16 autocast with a
    GradScaler below that (T4, V100, P100). ``torch.cuda.is_bf16_supported()`` is not used: it
    says True on a T4, where bf16 only runs by slow emulation. fp32 on CPU and on MPS (see
@@ -19,10 +21,12 @@ How a plan is made, in order:
    ``max_memory_fraction`` of the device, found by doubling then bisecting (powers of two are
    tried first) with a memory probe if one is given, else with :func:`estimate_memory`.
    If fewer than :data:`MIN_USEFUL_MICRO_BATCH` samples fit, memory savers are tried in this
-   order and each is kept only if it helps: 8-bit optimizer states (bitsandbytes, CUDA only, no
-   speed cost), optimizer offload to CPU RAM (cheap in collaborative training: the optimizer steps
-   once per global step), then gradient checkpointing (costs ~1/3 more compute per step; never
-   for models that refuse it, such as ALBERT in transformers 5).
+   order and each is kept only if it helps: 8-bit optimizer states (only for LAMB runs where
+   bitsandbytes imports, CUDA only: what ``kit.training.lamb8bit`` can build), optimizer offload
+   to CPU RAM (cheap in collaborative training: the optimizer steps once per global step), then
+   gradient checkpointing (~1/3 more compute per step; kit checkpoints ALBERT itself,
+   ``kit.training.checkpointing``, since transformers 5 refuses to). ``kit.training.assembly``
+   builds every choice; a "lamb8bit" run plans with 8-bit statistics from the start.
 4. Accumulation. ``accumulation = ceil(target / max_micro)``, then the micro-batch is lowered to
    ``ceil(target / accumulation)``: the fewest micro-steps, and at most ``accumulation - 1``
    samples above the target (never fewer samples than asked).

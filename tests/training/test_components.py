@@ -218,3 +218,55 @@ def test_collaboration_knobs_that_cannot_work_together_are_refused() -> None:
         dataclasses.replace(
             RunConfig(), collaboration=CollaborationConfig(reuse_grad_buffers=True)
         )  # local clipping of 1.0 on a .grad that sums several steps
+
+
+@pytest.mark.sockets
+def test_the_ttt_recipe_trains_and_its_8bit_state_reaches_a_late_joiner() -> None:
+    pytest.importorskip("bitsandbytes")
+    from kit.hardware.plan import TrainingPlan
+    from kit.training.trainer import Trainer
+    from tests.training.test_trainer import random_batches
+
+    base = RunConfig.tiny_demo(data_files=["unused/*.txt"])  # embeddings of 8000 x 64: 8-bit
+    config = base.with_recipe("ttt")
+    config = dataclasses.replace(
+        config,
+        optimizer=dataclasses.replace(config.optimizer, warmup_steps=1, total_steps=100),
+        collaboration=dataclasses.replace(
+            config.collaboration,
+            target_batch_size=8,
+            matchmaking_time=0.2,
+            averaging_timeout=5.0,
+            size_adaptive_threshold=64,
+        ),
+    )
+    first = kit.DHT(host="127.0.0.1", client_mode=False)
+    second = kit.DHT(
+        host="127.0.0.1", client_mode=False, initial_peers=first.get_visible_maddrs()
+    )
+    trainer = joiner = None
+    try:
+        model = build_model(config)
+        optimizer = build_collaborative_optimizer(model, config, first, batch_size_per_step=4)
+        plan = TrainingPlan(micro_batch=2, accumulation_steps=2)
+        trainer = Trainer(model, optimizer, random_batches(2), plan, clip_grad_norm=None)
+        trainer.run(max_steps=4)  # 2 global steps: delayed, on 8-bit CPU statistics
+        optimizer._finish_optimizer_step(wait=None)
+        assert optimizer.local_epoch >= 1 and trainer.status.rollbacks == 0
+        statistics = [s for s in optimizer.opt.state.values() if s]
+        assert statistics and any(s["state1"].dtype == torch.uint8 for s in statistics)
+        joiner_model = build_model(config)
+        joiner = build_collaborative_optimizer(joiner_model, config, second, batch_size_per_step=4)
+        joiner.load_state_from_peers(timeout=30)
+        assert joiner.local_epoch == optimizer.local_epoch
+        for mine, theirs in zip(joiner_model.parameters(), model.parameters(), strict=True):
+            assert torch.equal(mine, theirs)
+        joined = [s for s in joiner.opt.state.values() if s]
+        assert any(s["state1"].dtype == torch.uint8 for s in joined)
+    finally:
+        if trainer is not None:
+            trainer.optimizer.shutdown()
+        if joiner is not None:
+            joiner.shutdown()
+        second.shutdown()
+        first.shutdown()
