@@ -241,9 +241,7 @@ def test_the_ttt_recipe_trains_and_its_8bit_state_reaches_a_late_joiner() -> Non
         ),
     )
     first = kit.DHT(host="127.0.0.1", client_mode=False)
-    second = kit.DHT(
-        host="127.0.0.1", client_mode=False, initial_peers=first.get_visible_maddrs()
-    )
+    second = kit.DHT(host="127.0.0.1", client_mode=False, initial_peers=first.get_visible_maddrs())
     trainer = joiner = None
     try:
         model = build_model(config)
