@@ -52,7 +52,7 @@ def relative_difference(
 ) -> float:
     """The largest, over tensors, of |ours - reference| relative to the reference's displacement."""
     return max(
-        float((a - b).norm() / (b - s).norm())
+        float((a - b).detach().norm() / (b - s).detach().norm())
         for a, b, s in zip(ours.parameters(), reference.parameters(), start, strict=True)
     )
 

@@ -119,6 +119,7 @@ def test_bf16_autocast_on_cpu_trains(dht) -> None:
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
 
 
+@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
 def test_a_step_that_turns_parameters_nan_is_rolled_back_and_shown(dht) -> None:
     trainer = make_trainer(dht, TrainingPlan(micro_batch=2, accumulation_steps=2))
     inner = trainer.optimizer.opt
