@@ -17,6 +17,7 @@ COMMAND_MODULES = (
     "kit.demo",
     "kit.volunteer",
     "kit.coordinator",
+    "kit.preflight",
     "kit.p2p.demo",
     "kit.data.cli",
     "kit.evaluation.command",
@@ -29,21 +30,38 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kit", description="Train one model together over the Internet."
     )
-    parser.add_argument("--log-level", default="INFO", help="logging level (DEBUG, INFO, ...)")
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        help="kit's logging level (DEBUG also shows other libraries' INFO lines; default INFO)",
+    )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module_name in COMMAND_MODULES:
         importlib.import_module(module_name).add_command(subparsers)
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def configure_logging(level_name: str) -> None:
+    """kit's own messages at ``level_name``; other libraries' only from WARNING, unless DEBUG.
+
+    websockets logs every HTTP answer and connection at INFO ("HTTP response sent", "connection
+    closed"): on a console those lines would bury kit's messages and break its progress line.
+    """
+    level = getattr(logging, level_name.upper(), None)
+    if not isinstance(level, int):
+        level = logging.INFO
     logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        level=level if level <= logging.DEBUG else max(level, logging.WARNING),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
+    logging.getLogger("kit").setLevel(level)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    configure_logging(str(args.log_level))
     if args.command is None:
         parser.print_help()
         return 2

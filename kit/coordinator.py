@@ -29,13 +29,11 @@ from kit.config import RunConfig
 from kit.dht.node import get_dht_time
 from kit.errors import ConfigError, KitError, KitUsageError
 from kit.p2p.identity import b58decode, b58encode, load_identity
+from kit.remote_run import RUN_INFO_PATH, TOKENIZER_PATH
 
 logger = logging.getLogger(__name__)
 
-#: Where volunteers fetch the run (config, bootstrap addresses, authority key).
-RUN_INFO_PATH = "/api/run"
-#: Where volunteers fetch the tokenizer when the run has no Hub repo for it.
-TOKENIZER_PATH = "/api/tokenizer.json"
+__all__ = ["RUN_INFO_PATH", "TOKENIZER_PATH", "Coordinator", "CoordinatorOptions"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +52,8 @@ class CoordinatorOptions:
     hf_endpoint: str | None = None  # the Hub to talk to (None: $HF_ENDPOINT or huggingface.co)
     auxiliary_peer: bool = True  # run an auxiliary averaging peer (and the checkpointer) here
     metrics_period: float = 10.0  # seconds between metrics collections; lower it for demos
+    preflight: bool = True  # refuse to start when a remote volunteer could not train (kit preflight)
+    shard_tokens: int = 1 << 22  # token ids per served data shard; lower it for small corpora
     # fmt: on
 
     def __post_init__(self) -> None:
@@ -63,6 +63,10 @@ class CoordinatorOptions:
             )
         if not 0 <= self.port < 65536:
             raise ConfigError(f"coordinator: port {self.port} - help: use 1-65535, or 0 for any")
+        if self.shard_tokens < 1:
+            raise ConfigError(
+                f"coordinator: shard_tokens {self.shard_tokens} - help: use e.g. 4194304 (4M)"
+            )
 
 
 def authority_key_path(state_dir: str | Path) -> Path:
@@ -98,6 +102,9 @@ class Coordinator:
         self.issuer: Any = None
         self.token_endpoint: Any = None
         self.auxiliary: Any = None
+        self.handout: Any = None  # tokenizer, data shards, kit wheel, join notebook (kit.handout)
+        self.preflight: Any = None  # the start-up check's report (kit.preflight)
+        self._listen_port: int | None = None
         self._locks: list[Any] = []
         self._addresses: list[str] = []
         self._started = False
@@ -114,12 +121,21 @@ class Coordinator:
         identity, lock = load_identity(self.state_dir / "identity.key")
         self._locks.append(lock)
         authorizer = self._load_authority(identity)
-        tokenizer_dir = self.options.tokenizer_dir
-        if tokenizer_dir is not None and not (Path(tokenizer_dir) / "tokenizer.json").is_file():
-            raise ConfigError(
-                f"coordinator: no tokenizer.json in {tokenizer_dir} - help: train one with "
-                "`kit tokenizer train` or leave tokenizer_dir unset"
-            )
+        from kit.handout import Handout
+
+        self.handout = Handout(
+            self.config,
+            self.state_dir,
+            tokenizer_dir=self.options.tokenizer_dir,
+            hub_token=self.options.hub_token,
+            hf_endpoint=self.options.hf_endpoint,
+            shard_tokens=self.options.shard_tokens,
+        )
+        try:
+            self.handout.prepare()  # before the port opens: a failure leaves nothing running
+        except BaseException:
+            self.shutdown()
+            raise
         peer_options: dict[str, Any] = dict(
             identity=identity,
             run_id=self.config.collaboration.run_id,
@@ -151,15 +167,37 @@ class Coordinator:
                     checkpoint_root=self.state_dir,
                     hub_token=self.options.hub_token,
                     hf_endpoint=self.options.hf_endpoint,
-                    tokenizer_dir=self.options.tokenizer_dir,
+                    tokenizer_dir=self.handout.tokenizer_dir,
                     loss=self.latest_loss,
                 )
                 self.auxiliary.start()
+            if self.options.preflight:
+                self._check_as_a_volunteer()
         except BaseException:
             self.shutdown()
             raise
         logger.info("coordinator of %r is up: %s", self.config.collaboration.run_id, self.join_url)
         logger.info("dashboard: %s", self.dashboard_url)
+
+    def _check_as_a_volunteer(self) -> None:
+        """``kit preflight`` against ourselves, on loopback (raises PreflightFailed)."""
+        import ssl
+
+        from kit.preflight import run_preflight
+
+        secure = self.options.tls_certfile is not None
+        host = self.options.host if self.options.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        host = f"[{host}]" if ":" in host else host
+        context = None
+        if secure:  # our own certificate, reached by an address it may not name
+            context = ssl.create_default_context()
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+        url = f"{'https' if secure else 'http'}://{host}:{self._listen_port}"
+        self.preflight = report = run_preflight(url, ssl_context=context)
+        for line in report.text().splitlines():
+            logger.info("preflight: %s", line)
+        report.raise_if_failed()
 
     def _load_authority(self, peer_identity: Any) -> Any:
         published = self.config.access.authority_public_key
@@ -302,8 +340,8 @@ class Coordinator:
             run_info=self.run_info,
         )
         peer.add_http_route(RUN_INFO_PATH, self._serve_run_info)
-        if self.options.tokenizer_dir is not None:
-            peer.add_http_route(TOKENIZER_PATH, self._serve_tokenizer)
+        self.handout.register(peer, lambda: self.join_url)
+        self._listen_port = peer.listen_port
 
     def shutdown(self) -> None:
         """Stop the auxiliary peer, the services and the DHT peer (idempotent)."""
@@ -381,31 +419,30 @@ class Coordinator:
     def dashboard_url(self) -> str:
         return self.http_url + "/"
 
-    def run_info(self) -> dict[str, Any]:
-        """What ``GET /api/run`` answers: everything a volunteer needs to join."""
+    def run_info(self, base: str | None = None) -> dict[str, Any]:
+        """What ``GET /api/run`` answers: everything a volunteer needs to join.
+
+        ``base`` is ``scheme://host`` as the volunteer reached us (absolute URLs use it).
+        """
         authority = self.config.access.authority_public_key
         return {
             "run_id": self.config.collaboration.run_id,
             "config": self.config.to_dict(),
             "config_hash": self.config.config_hash(),
-            "initial_peers": self.addresses,
+            "initial_peers": self.addresses + list(self.config.access.bootstrap_peers),
             "authority_public_key": authority,
-            "tokenizer_url": TOKENIZER_PATH if self.options.tokenizer_dir is not None else None,
+            **(self.handout.describe(base or self.join_url) if self.handout else {}),
             "time": time.time(),
         }
 
     async def _serve_run_info(self, request: Any) -> Any:
+        from kit.handout import base_url
         from kit.p2p.peer import HttpResponse
 
-        body = json.dumps(self.run_info()).encode()
+        secure = self.options.tls_certfile is not None
+        info = self.run_info(base_url(request, self.join_url, secure=secure))
+        body = json.dumps(info).encode()
         return HttpResponse(200, body, "application/json", (("Cache-Control", "no-store"),))
-
-    async def _serve_tokenizer(self, request: Any) -> Any:
-        from kit.p2p.peer import HttpResponse
-
-        assert self.options.tokenizer_dir is not None
-        body = (Path(self.options.tokenizer_dir) / "tokenizer.json").read_bytes()
-        return HttpResponse(200, body, "application/json")
 
 
 # --- the command line --------------------------------------------------------------------------

@@ -2,8 +2,10 @@
 
 It writes a small corpus (``kit.data.synthetic``: pseudo-Bengali text generated locally, nothing
 is downloaded), trains the run's tokenizer on it, starts a coordinator in this process (bootstrap
-peer, dashboard, metrics, auxiliary peer, checkpoints) and three volunteer processes (``kit
-join``) that train a tiny ALBERT together on the CPU for about two minutes. It shows a progress
+peer, dashboard, metrics, auxiliary peer, checkpoints; it serves the corpus as token shards, the
+tokenizer and its kit) and three volunteer processes (``kit join``), each in an empty folder of
+its own, that get all of it from the coordinator as remote volunteers do and train a tiny ALBERT
+together on the CPU for about two minutes. It shows a progress
 bar, prints the dashboard address, and ends with the loss at the start and at the end: exit code
 0 when the collaboration made the loss go down.
 """
@@ -29,6 +31,8 @@ logger = logging.getLogger(__name__)
 
 #: Documents in the generated corpus (a few MB; tokenizes in seconds).
 DEMO_DOCUMENTS = 4_000
+#: Token ids per served shard: the demo corpus becomes ~10 shards, so volunteers start apart.
+DEMO_SHARD_TOKENS = 1 << 16
 
 
 def write_corpus(folder: Path, documents: int = DEMO_DOCUMENTS, seed: int = 0) -> list[Path]:
@@ -82,6 +86,7 @@ def run_demo(
         state_dir=str(work_dir / "coordinator"),
         tokenizer_dir=str(tokenizer_dir),
         metrics_period=2.0,
+        shard_tokens=DEMO_SHARD_TOKENS,
     )
     processes: list[subprocess.Popen[bytes]] = []
     logs: list[Any] = []
@@ -99,8 +104,10 @@ def run_demo(
                     coordinator.join_url, "--host", "127.0.0.1", "--work-dir", str(peer_dir),
                     "--username", f"volunteer-{index}", "--max-seconds", str(duration),
                 ]  # fmt: skip
-                processes.append(
-                    subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment)
+                processes.append(  # in its empty folder: nothing of the organizer's at hand
+                    subprocess.Popen(
+                        command, stdout=log, stderr=subprocess.STDOUT, env=environment, cwd=peer_dir
+                    )
                 )
             _watch(coordinator, processes, duration)
         finally:
@@ -144,6 +151,7 @@ def _watch(coordinator: Any, processes: list[subprocess.Popen[bytes]], duration:
                 step=summary.get("global_epoch", 0),
                 peers=summary.get("peers_online", 0),
                 loss="n/a" if loss is None else f"{loss:.3f}",
+                refresh=False,  # one redraw per tick (refresh below), not two lines per tick
             )
             bar.refresh()
 

@@ -348,6 +348,29 @@ class DataSourceUnreachable(DataError, TransientError):
     """(transient) The Hub or the server holding a data file could not be reached; retry later."""
 
 
+class ShardDigestMismatch(InvalidShard, TransientError):
+    """(transient) A downloaded shard's SHA-256 is not the one its manifest publishes.
+
+    The download is thrown away and the shard is fetched again later (another position of the
+    peer's order comes first), so a corrupted transfer never reaches the model.
+    """
+
+
+# --- joining a run (kit.remote_run, kit.preflight) ----------------------------------------------
+
+
+class CoordinatorUnreachable(TransientError):
+    """The coordinator's address did not answer (or answered nonsense)."""
+
+
+class PreflightFailed(ConfigError):
+    """A remote volunteer could not train in this run; ``problems`` lists why, each with help."""
+
+    def __init__(self, message: str, problems: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.problems = problems
+
+
 # --- auth (kit.auth) ----------------------------------------------------------------------------
 
 

@@ -18,148 +18,36 @@ import json
 import logging
 import os
 import ssl
-import urllib.error
-import urllib.parse
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from kit.config import RunConfig
-from kit.errors import ConfigError, KitError, TransientError
+from kit.errors import CoordinatorUnreachable, KitError
+from kit.http_client import MAX_ANSWER_BYTES, http_get
+from kit.remote_run import (
+    RunInfo,
+    coordinator_url,
+    fetch_run_info,
+    load_run_tokenizer,
+    open_served_data,
+)
 from kit.training.status import TrainingState, TrainingStatus
 
 logger = logging.getLogger(__name__)
 
-#: Answers larger than this from a coordinator are refused (run info, tokenizer, leaderboard).
-MAX_ANSWER_BYTES = 64 * 1024 * 1024
 #: Seconds between two looks at the coordinator's leaderboard (for "my rank" in the panel).
 LEADERBOARD_PERIOD = 30.0
 
-
-class CoordinatorUnreachable(TransientError):
-    """The coordinator's address did not answer (or answered nonsense)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class RunInfo:
-    """What the coordinator tells a joining volunteer (``GET /api/run``)."""
-
-    url: str  # http(s)://host:port of the coordinator
-    config: RunConfig
-    config_hash: str
-    initial_peers: tuple[str, ...]
-    authority_public_key: bytes | None
-    tokenizer_url: str | None  # absolute URL of tokenizer.json, when the coordinator serves it
-
-
-def coordinator_url(address: str) -> str:
-    """``http(s)://host:port`` from a URL or a kit address (``/ip4/.../tcp/N/ws[s]/p2p/ID``)."""
-    text = address.strip().rstrip("/")
-    if text.startswith(("http://", "https://")):
-        return text
-    if text.startswith(("ws://", "wss://")):
-        return "http" + text[2:]
-    from kit.p2p.address import AddressError, parse_address
-
-    try:
-        parsed = parse_address(text)
-    except (AddressError, ValueError) as error:
-        raise ConfigError(
-            f"{address!r} is not a coordinator address ({error}) - help: paste the link the "
-            "organizer gave you, e.g. https://run.example.org"
-        ) from None
-    host = f"[{parsed.host}]" if ":" in parsed.host else parsed.host
-    return f"{'https' if parsed.secure else 'http'}://{host}:{parsed.port}"
-
-
-def http_get(
-    url: str,
-    *,
-    timeout: float = 15.0,
-    limit: int = MAX_ANSWER_BYTES,
-    ssl_context: ssl.SSLContext | None = None,
-) -> bytes:
-    """GET ``url`` (no proxy for loopback); raises CoordinatorUnreachable with what to do."""
-    handlers: list[urllib.request.BaseHandler] = []
-    host = urllib.parse.urlsplit(url).hostname or ""
-    if host in ("localhost", "::1") or host.startswith("127."):
-        handlers.append(urllib.request.ProxyHandler({}))
-    if ssl_context is not None:
-        handlers.append(urllib.request.HTTPSHandler(context=ssl_context))
-    opener = urllib.request.build_opener(*handlers)
-    try:
-        with opener.open(url, timeout=timeout) as answer:
-            body: bytes = answer.read(limit + 1)
-    except urllib.error.HTTPError as error:
-        raise CoordinatorUnreachable(
-            f"{url} answered HTTP {error.code} - help: check the address with the organizer"
-        ) from None
-    except (OSError, ValueError) as error:
-        raise CoordinatorUnreachable(
-            f"cannot reach {url}: {getattr(error, 'reason', error)} - help: check the address "
-            "and your connection; the coordinator may be restarting, try again in a minute"
-        ) from None
-    if len(body) > limit:
-        raise CoordinatorUnreachable(
-            f"{url} sent more than {limit} bytes - help: check the address"
-        )
-    return body
-
-
-def fetch_run_info(
-    address: str, *, timeout: float = 15.0, ssl_context: ssl.SSLContext | None = None
-) -> RunInfo:
-    """Ask the coordinator for the run; validate the config and its hash."""
-    from kit.coordinator import RUN_INFO_PATH
-
-    url = coordinator_url(address)
-    body = http_get(url + RUN_INFO_PATH, timeout=timeout, ssl_context=ssl_context)
-    try:
-        answer = json.loads(body)
-        config = RunConfig.from_dict(answer["config"])
-        peers = tuple(str(peer) for peer in answer["initial_peers"])
-        key = answer.get("authority_public_key")
-        tokenizer = answer.get("tokenizer_url")
-    except (ValueError, KeyError, TypeError) as error:
-        raise CoordinatorUnreachable(
-            f"{url} did not answer with a kit run ({type(error).__name__}: {error}) - help: "
-            "check that the address is a kit coordinator and that your kit is up to date"
-        ) from None
-    if config.config_hash() != answer.get("config_hash"):
-        raise ConfigError(
-            "the coordinator's config hash differs from the one this kit computes - help: "
-            "install the kit version the organizer uses (pip install -U kit)"
-        )
-    from kit.p2p.identity import b58decode
-
-    return RunInfo(
-        url=url,
-        config=config,
-        config_hash=str(answer["config_hash"]),
-        initial_peers=peers,
-        authority_public_key=b58decode(key) if key else None,
-        tokenizer_url=url + tokenizer if tokenizer else None,
-    )
-
-
-def load_run_tokenizer(
-    info: RunInfo, cache_dir: Path, ssl_context: ssl.SSLContext | None = None
-) -> Any:
-    """The run's tokenizer: from the Hub repo in the config, else from the coordinator."""
-    from kit.data.tokenizer import load_tokenizer
-
-    if info.config.tokenizer.hub_repo:
-        return load_tokenizer(info.config.tokenizer.hub_repo)
-    if info.tokenizer_url is None:
-        local = Path(info.config.tokenizer.output_dir)
-        return load_tokenizer(local)
-    target = cache_dir / f"tokenizer-{info.config_hash[:16]}.json"
-    if not target.is_file():
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        partial = target.with_suffix(".part")
-        partial.write_bytes(http_get(info.tokenizer_url, ssl_context=ssl_context))
-        os.replace(partial, target)
-    return load_tokenizer(target)
+__all__ = [  # the run-info names lived here before kit.remote_run; kept importable from here
+    "MAX_ANSWER_BYTES",
+    "CoordinatorUnreachable",
+    "RunInfo",
+    "Volunteer",
+    "coordinator_url",
+    "fetch_run_info",
+    "http_get",
+    "join",
+    "load_run_tokenizer",
+]
 
 
 class Volunteer:
@@ -329,9 +217,13 @@ class Volunteer:
 
         if plan.auxiliary:
             return iter(())
-        tokenizer = load_run_tokenizer(self.info, self.work_dir / ".kit", self.ssl_context)
+        cache = self.work_dir / ".kit"
+        tokenizer = load_run_tokenizer(self.info, cache, self.ssl_context)
         pipeline = PretrainingPipeline.from_config(
-            self.config.data, tokenizer, peer_identity=identity.peer_id.to_bytes()
+            self.config.data,
+            tokenizer,
+            peer_identity=identity.peer_id.to_bytes(),
+            served=open_served_data(self.info, cache, self.ssl_context),
         )
         # A restart of this machine goes on where its data stream stopped (saved with its key).
         path = data_position_path(

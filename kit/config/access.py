@@ -46,6 +46,7 @@ class AccessConfig:
     open: bool = False  # true: any Hub user may join (still named in tokens, so revocable)
     authority_public_key: str | None = None  # base58 Ed25519 key that signs tokens; null = no auth
     coordinator: str | None = None  # kit address of the coordinator, e.g. /dns/host/tcp/443/wss/p2p/ID
+    bootstrap_peers: tuple[str, ...] = ()  # more public peers (`kit dht`) volunteers join and relay through
     token_lifetime: float = 1_800.0  # seconds a token is valid; lower = removals apply sooner, more renewals
     # fmt: on
 
@@ -72,6 +73,14 @@ class AccessConfig:
                 )
         if self.coordinator is not None:
             _check_address(f"{where}.coordinator", self.coordinator)
+        if not isinstance(self.bootstrap_peers, tuple):
+            raise config_error(
+                f"{where}.bootstrap_peers",
+                f"must be a list, got {self.bootstrap_peers!r}",
+                "write [/dns/dht.example.org/tcp/31337/ws/p2p/...]",
+            )
+        for index, address in enumerate(self.bootstrap_peers):
+            _check_address(f"{where}.bootstrap_peers[{index}]", address)
         lifetime = check_number(
             f"{where}.token_lifetime",
             self.token_lifetime,
@@ -84,7 +93,7 @@ class AccessConfig:
     def from_dict(cls, data: Mapping[str, Any], where: str = "access") -> AccessConfig:
         """Build from the ``access:`` mapping of a run configuration (raises ConfigError)."""
         values = _check_keys(cls, data, where)
-        for field in ("usernames", "organizations"):
+        for field in ("usernames", "organizations", "bootstrap_peers"):
             if field in values:
                 values[field] = _as_tuple(f"{where}.{field}", values[field])
         return cls(**values)

@@ -113,12 +113,18 @@ INVALID_TEXT_POLICIES = ("skip", "raise")
 
 @dataclasses.dataclass(frozen=True)
 class SourceConfig:
-    """One stream of documents: a Hub dataset or local files, read with ``datasets`` streaming."""
+    """One stream of documents: a Hub dataset, or files on the organizer's disk.
+
+    A Hub dataset (``path: "org/name"``) and file URLs (``https://``, ``hf://``) are read by every
+    peer itself with ``datasets`` streaming. Files on the organizer's disk (a file builder such
+    as ``text``, or kit token shards, with local ``data_files``) are :attr:`served`: only the
+    organizer has them; the coordinator tokenizes them into shards and serves those on its port.
+    """
 
     # fmt: off
     name: str  # label in logs and statistics; what tokenizer.train_sources refers to
     path: str = "text"  # Hub dataset ("oscar") or a file builder ("text", "json", "parquet", ...)
-    data_files: tuple[str, ...] = ()  # paths, globs or URLs for a file builder (or kit token shards)
+    data_files: tuple[str, ...] = ()  # the organizer's files (globs work; the coordinator serves them) or URLs
     subset: str | None = None  # the Hub dataset's configuration, e.g. "unshuffled_deduplicated_bn"
     split: str = "train"  # which split to stream
     text_column: str = "text"  # the column that holds the document text
@@ -150,6 +156,13 @@ class SourceConfig:
             hint="remove the source instead of giving it 0",
         )
         check_bool(f"{where}.pretokenized", self.pretokenized)
+
+    @property
+    def served(self) -> bool:
+        """True when the documents are files on the organizer's disk, which the coordinator
+        serves as token shards; False for Hub datasets and URLs, which every peer reads."""
+        reads_files = self.path in FILE_BUILDERS or self.pretokenized
+        return reads_files and not all("://" in file for file in self.data_files)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "data.sources[]") -> SourceConfig:

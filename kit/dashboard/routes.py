@@ -5,8 +5,12 @@ plain HTTP on its websocket port, so the dashboard shares the coordinator's addr
 
 * ``/``: the page (``page.html`` in this package): plain HTML, inline CSS and vanilla JS, no
   CDN and no external fetch; it polls the two JSON routes every few seconds and draws the loss
-  curve (inline SVG), the tiles (peers online, samples/s, global step, ETA) and the leaderboard.
-* ``/api/metrics``: ``{"summary": ..., "loss_curve": [...], "run": run_info()}``.
+  curve and the charts of peers online and samples/s over time (inline SVG), the tiles (peers
+  online, samples/s, global step, ETA), the leaderboard, and, when the coordinator serves
+  ``/join.ipynb``, the one cell volunteers paste (with a copy button and the notebook to
+  download). Times are human ("updated 12 s ago").
+* ``/api/metrics``: ``{"summary": ..., "loss_curve": [...], "history": [...], "run": run_info()}``
+  (``history``: peers online and samples/s over time, ``kit.metrics.history``).
 * ``/api/leaderboard``: ``{"leaderboard": [...]}``.
 
 User names come from peers: the page only ever sets them with ``textContent``, and the page is
@@ -99,7 +103,10 @@ def register_dashboard(
             except Exception as e:  # the caller's callback: the metrics are still worth serving
                 logger.warning("the dashboard's run_info() failed: %r", e)
         curve = [point.to_dict() for point in collector.loss_curve()]
-        return json_response({"summary": collector.summary(), "loss_curve": curve, "run": info})
+        history = collector.history.points()
+        return json_response(
+            {"summary": collector.summary(), "loss_curve": curve, "history": history, "run": info}
+        )
 
     async def leaderboard(request: HttpRequest) -> HttpResponse:
         return json_response({"leaderboard": collector.leaderboard()})

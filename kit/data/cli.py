@@ -13,6 +13,7 @@ import dataclasses
 import json
 import logging
 import sys
+from pathlib import Path
 
 from kit.errors import KitError
 
@@ -41,13 +42,7 @@ def _train(args: argparse.Namespace) -> int:
 
     from kit.config import DataConfig, TokenizerConfig
 
-    from .tokenizer import (
-        iter_training_text,
-        open_training_sources,
-        push_tokenizer_to_hub,
-        save_tokenizer,
-        train_tokenizer,
-    )
+    from .tokenizer import push_tokenizer_to_hub, train_run_tokenizer
 
     try:
         tokenizer_config = TokenizerConfig.from_file(args.config)
@@ -60,19 +55,10 @@ def _train(args: argparse.Namespace) -> int:
         if args.push:
             overrides["hub_repo"] = args.push
         tokenizer_config = dataclasses.replace(tokenizer_config, **overrides)
-        sources = open_training_sources(data_config, tokenizer_config.train_sources)
-        texts = iter_training_text(sources, tokenizer_config.max_train_documents)
-        tokenizer = train_tokenizer(
-            texts,
-            tokenizer_config,
-            total=tokenizer_config.max_train_documents,
-            progress=not args.no_progress,
+        tokenizer, sources = train_run_tokenizer(
+            tokenizer_config, data_config, progress=not args.no_progress
         )
-        folder = save_tokenizer(
-            tokenizer,
-            tokenizer_config.output_dir,
-            model_max_length=tokenizer_config.model_max_length,
-        )
+        folder = Path(tokenizer_config.output_dir)
         pushed = None
         if tokenizer_config.hub_repo:
             pushed = push_tokenizer_to_hub(folder, tokenizer_config.hub_repo)

@@ -33,6 +33,7 @@ from kit.errors import KitUsageError
 
 from .collate import AlbertCollator
 from .examples import Example, ExampleBuilder, ExampleCounts, VocabularyTables
+from .remote import ServedData
 from .shards import ShardSource
 from .sources import (
     DocumentSource,
@@ -116,7 +117,12 @@ class PretrainingPipeline:
 
     @classmethod
     def from_config(
-        cls, config: DataConfig, tokenizer: Tokenizer | Any, *, peer_identity: bytes
+        cls,
+        config: DataConfig,
+        tokenizer: Tokenizer | Any,
+        *,
+        peer_identity: bytes,
+        served: ServedData | None = None,
     ) -> PretrainingPipeline:
         """Open the sources of ``config`` and wire the pipeline for the peer ``peer_identity``.
 
@@ -125,6 +131,8 @@ class PretrainingPipeline:
             tokenizer: a ``tokenizers.Tokenizer`` or a transformers fast tokenizer (its backend
                 is used).
             peer_identity: bytes that identify this peer, e.g. ``identity.peer_id.to_bytes()``.
+            served: the data the coordinator serves (volunteers); its sources are read from
+                there instead of the organizer's files. None = open every source here.
 
         Raises:
             ConfigError: no sources, or a tokenizer without the recipe's special tokens.
@@ -147,7 +155,16 @@ class PretrainingPipeline:
         sources: list[DocumentSource] = []
         for source in config.sources:
             source_seed = derive_seed(seed, "source", source.name)
-            if source.pretokenized:
+            if served is not None and source.name in served:
+                sources.append(
+                    served.open_source(
+                        source,
+                        seed=source_seed,
+                        vocab_size=tables.vocab_size,
+                        tokenizer=fingerprint_text,
+                    )
+                )
+            elif source.pretokenized:
                 sources.append(
                     ShardSource(
                         source.name,

@@ -417,3 +417,27 @@ def iter_training_text(sources: Sequence[TextSource], limit: int | None = None) 
             counts.too_short,
             counts.invalid_text,
         )
+
+
+def train_run_tokenizer(
+    tokenizer_config: TokenizerConfig, data_config: DataConfig, *, progress: bool = True
+) -> tuple[Tokenizer, list[TextSource]]:
+    """Train the run's tokenizer on its text sources and save it in ``output_dir``.
+
+    What ``kit tokenizer train`` and the config notebook do: one pass over
+    ``tokenizer.train_sources`` (all text sources if empty, up to ``max_train_documents``),
+    the recipe's Unigram model, a ``transformers`` folder. Returns the tokenizer and the opened
+    sources (their counts say what was read and dropped).
+
+    Raises:
+        ConfigError: no text source, or no text in them. DataError: a source cannot be opened.
+    """
+    sources = open_training_sources(data_config, tokenizer_config.train_sources)
+    texts = iter_training_text(sources, tokenizer_config.max_train_documents)
+    tokenizer = train_tokenizer(
+        texts, tokenizer_config, total=tokenizer_config.max_train_documents, progress=progress
+    )
+    save_tokenizer(
+        tokenizer, tokenizer_config.output_dir, model_max_length=tokenizer_config.model_max_length
+    )
+    return tokenizer, sources

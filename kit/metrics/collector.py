@@ -24,6 +24,7 @@ from kit.dht.node import DHTNode, get_dht_time
 from kit.dht.validation import DHTRecord, find_owners
 from kit.errors import ConfigError, KitError, KitUsageError, MetricsStateError
 from kit.metrics.book import LossPoint, MetricsBook, token_verifier
+from kit.metrics.history import MetricsHistory
 from kit.metrics.records import ContributionRecord, metrics_key
 
 logger = logging.getLogger(__name__)
@@ -95,6 +96,7 @@ class MetricsCollector:
             self.book.verify = verify
         self._task: asyncio.Task[None] | None = None
         self.fetches = 0  # completed fetches (diagnostics, tests)
+        self.history = MetricsHistory()  # peers online and samples/s over time (the charts)
         self._load()
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -123,8 +125,11 @@ class MetricsCollector:
         """
         result = await self.node.get(self.key, latest=True)
         records = owned_records(result.value if result is not None else None)
-        accepted = self.book.add(records, get_dht_time())
+        now = get_dht_time()
+        accepted = self.book.add(records, now)
         self.fetches += 1
+        summary = self.book.summary(now)
+        self.history.add(now, summary["peers_online"], summary["samples_per_second"])
         return accepted
 
     async def _run(self) -> None:

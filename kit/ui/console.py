@@ -138,7 +138,7 @@ class ConsoleReporter:
             bar.update(delta)  # redraws at most every mininterval seconds
         else:
             # A new global step (or peers' records expiring) moved the count back: tqdm cannot
-            # count down, so restart the bar's count and timer.
+            # count down, so restart the bar's count and timer. reset() draws the bar once; a
+            # refresh() here would print the same line a second time on a file or a pipe.
             bar.reset(total=total)
             bar.update(target)
-            bar.refresh()

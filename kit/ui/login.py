@@ -19,12 +19,13 @@ import os
 import threading
 from collections.abc import Callable, Mapping
 from types import ModuleType
-from typing import Any
-
-import ipywidgets as widgets
+from typing import TYPE_CHECKING, Any
 
 from kit.errors import KitError
 from kit.hardware.detect import Platform, detect_platform
+
+if TYPE_CHECKING:  # ipywidgets is imported where a widget is made: `kit join` runs without it
+    import ipywidgets as widgets
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +168,8 @@ class LoginWidget:
         self._lock = threading.Lock()
         self._busy = False
         self._username: str | None = None
+        import ipywidgets as widgets
+
         self.password = widgets.Password(
             value="",
             placeholder="hf_...",

@@ -22,11 +22,12 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
-
-import ipywidgets as widgets
+from typing import TYPE_CHECKING, Any
 
 from kit.training.status import TrainingState, TrainingStatus
+
+if TYPE_CHECKING:  # ipywidgets is imported where a widget is made: `kit join` runs without it
+    import ipywidgets as widgets
 
 logger = logging.getLogger(__name__)
 
@@ -215,6 +216,7 @@ class TrainingPanel:
         self._drawn_history: tuple[tuple[int, float], ...] | None = None
         self._last_render: float | None = None
         self._last_status: TrainingStatus | None = None
+        import ipywidgets as widgets
 
         self.title = widgets.HTML(value="<b>Training</b>")
         self.state = widgets.HTML(value=_badge(TrainingState.STARTING))

@@ -1,4 +1,5 @@
-"""The dashboard in a real headless Chromium, against a live short run over real DHT nodes."""
+"""The dashboard in a real headless Chromium, against a live short run over real DHT nodes: the
+loss curve, peers and samples/s over time, the leaderboard, human times, and the join cell."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ import pytest
 
 from kit.dashboard.routes import register_dashboard
 from kit.dht.node import DHTNode
+from kit.join_notebook import JOIN_NOTEBOOK_PATH, join_notebook_bytes
 from kit.metrics.collector import MetricsCollector
 from kit.metrics.reporter import MetricsReporter
-from kit.p2p.peer import create_peer
+from kit.p2p.peer import HttpRequest, HttpResponse, create_peer
 from tests.conftest import MS
 from tests.dht.swarm import Swarm
 
@@ -24,6 +26,7 @@ CHROMIUM = os.environ.get("KIT_TEST_CHROMIUM", "/usr/bin/chromium")
 RUN = "browser-test"
 EPOCHS = 6
 XSS_NAME = "<img src=x onerror=\"document.title='pwned'\">"
+LINK = "https://run.example.org"
 BROWSER_TIMEOUT = 120_000 * MS
 
 pytestmark = [
@@ -95,8 +98,13 @@ async def test_dashboard_renders_the_live_curve_and_leaderboard(tmp_path: Path) 
             coordinator.peer,  # type: ignore[arg-type]
             collector,
             title="Browser test run",
-            run_info=lambda: {"run_id": RUN},
+            run_info=lambda: {"run_id": RUN, "time": 1764100000.0, "kit_version": "9.9"},
         )
+
+        async def notebook(request: HttpRequest) -> HttpResponse:
+            return HttpResponse(200, join_notebook_bytes(LINK), "application/x-ipynb+json")
+
+        coordinator.peer.add_http_route(JOIN_NOTEBOOK_PATH, notebook)  # type: ignore[attr-defined]
         try:
             for epoch in range(EPOCHS):  # losses fall as the run goes
                 for (_, _, per_epoch), made in zip(trainers, reporters, strict=True):
@@ -114,10 +122,15 @@ async def test_dashboard_renders_the_live_curve_and_leaderboard(tmp_path: Path) 
                 await made.shutdown(final_store=False)
             await collector.shutdown()
 
-    path = re.search(r'<path id="loss-curve" d="([^"]*)"', dom)
-    assert path is not None, dom[:2000]
-    points = re.findall(r"[ML]\s*-?[\d.]+ -?[\d.]+", path.group(1))
-    assert len(points) >= EPOCHS
+    def curve(name: str) -> list[str]:
+        path = re.search(rf'<path class="curve" id="{name}-curve" d="([^"]*)"', dom)
+        assert path is not None, dom[:2000]
+        return re.findall(r"[ML]\s*-?[\d.]+ -?[\d.]+", path.group(1))
+
+    assert len(curve("loss")) >= EPOCHS
+    # peers online and samples/s over time: one point per collection, next to the loss
+    assert len(curve("peers")) >= 2 and len(curve("speed")) >= 2
+    assert re.search(r'id="peers-y-max"[^>]*>3<', dom), "3 peers at the top of the chart"
     table = re.search(r'<table id="leaderboard">(.*?)</table>', dom, re.S)
     assert table is not None
     rows = re.findall(r'<tr class="user-row">(.*?)</tr>', table.group(1), re.S)
@@ -141,4 +154,17 @@ async def test_dashboard_renders_the_live_curve_and_leaderboard(tmp_path: Path) 
     assert peers_online is not None and peers_online.group(1) == "3"
     step = re.search(r'id="global-step">(\d+)<', dom)
     assert step is not None and step.group(1) == str(EPOCHS - 1)
-    assert "Browser test run" in dom and "run id: browser-test" in dom
+    assert "Browser test run" in dom
+    facts = re.search(r'<p id="run-info">(.*?)</p>', dom)
+    assert facts is not None and facts.group(1) == "run browser-test · kit 9.9", facts
+    assert "1764100000" not in dom  # no raw Unix time anywhere
+    status = re.search(r'<p id="status">(.*?)</p>', dom)
+    assert status is not None and re.fullmatch(r"updated (just now|\d+ s ago)", status.group(1))
+    # the cell volunteers paste, with the link in it, a copy button and the notebook to download
+    join = re.search(r'<section class="card" id="join">(.*?)</section>', dom, re.S)
+    assert join is not None, "the join card is hidden"
+    cell = html.unescape(re.search(r'<code id="join-cell">(.*?)</code>', join.group(1), re.S).group(1))  # type: ignore[union-attr]
+    assert f'COORDINATOR = "{LINK}"' in cell and "kit.join(COORDINATOR)" in cell
+    assert 'id="copy-cell"' in join.group(1) and 'href="join.ipynb"' in join.group(1)
+    assert "Colab" in join.group(1) and "Kaggle" in join.group(1)
+    assert f"kit join {LINK}" in join.group(1)
