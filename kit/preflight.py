@@ -191,7 +191,9 @@ def run_preflight(
             peer_identity=b"kit-preflight",
             served=open_served_data(info, cache, ssl_context),
         )
-        found["batch"] = batch = next(pipeline.batches(1), None)
+        batches = pipeline.batches(1)
+        found["batch"] = batch = next(batches, None)
+        batches.close()  # closes the open shard reader now, not at interpreter exit
         if batch is None:
             raise PreflightFailed("the data ended before one example - help: check data.sources")
         names = ", ".join(

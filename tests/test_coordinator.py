@@ -126,10 +126,17 @@ def test_allowlisted_run_leaderboard_checkpoints_and_restart(tmp_path, hub) -> N
 
         wait_for(alice_on_board, 120, "alice on the leaderboard")
         wait_for(lambda: coordinator.auxiliary.manager.latest() is not None, 120, "a checkpoint")
-        wait_for(lambda: len(hub.commits("organizer/tiny-albert")) >= 2, 120, "a push to the Hub")
-        pushed = hub.commits("organizer/tiny-albert")[0]
-        assert pushed.title.startswith("step ")
+        def pushes() -> list:
+            return [c for c in hub.commits("organizer/tiny-albert") if c.title.startswith("step ")]
+
+        wait_for(lambda: pushes(), 120, "a push to the Hub")
+        pushed = pushes()[0]
         assert "model.safetensors" in pushed.files and "kit_checkpoint.json" in pushed.files
+        # The tokenizer went to the run's repo when the coordinator started.
+        (tokenizer_commit,) = [
+            c for c in hub.commits("organizer/tiny-albert") if c.title == "tokenizer of the run"
+        ]
+        assert "tokenizer.json" in tokenizer_commit.files
         metrics = get_json(coordinator.http_url + "/api/metrics")
         assert isinstance(metrics, dict)
         page = urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
@@ -153,6 +160,8 @@ def test_allowlisted_run_leaderboard_checkpoints_and_restart(tmp_path, hub) -> N
         )
         assert volunteer.trainer.running
         coordinator = start_coordinator(config, tmp_path, port, hub)
+        titles = [c.title for c in hub.commits("organizer/tiny-albert")]
+        assert titles.count("tokenizer of the run") == 1  # pushed once, not again at each start
         assert coordinator.auxiliary.restored_step is not None
         assert coordinator.auxiliary.restored_step >= saved_step
         restored = {row["username"]: row["samples"] for row in coordinator.collector.leaderboard()}

@@ -1,34 +1,155 @@
 """``kit demo``, the README's main command: a coordinator and 3 volunteer processes train a tiny
-ALBERT together; it exits 0 within its budget and the loss at the end is below the start."""
+ALBERT together; it exits 0 within its budget and the loss at the end is below the start.
+
+While it runs, its coordinator is what a remote volunteer meets: ``/api/run`` names the wheel of
+the same kit, ``/join.ipynb`` is one cell with the link, ``kit preflight`` passes from an empty
+folder, and a headless ``kit join`` on a machine without ipywidgets trains from an empty folder.
+"""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import subprocess
 import sys
+import time
+import zipfile
+from pathlib import Path
 
 import pytest
 
+import kit
 from kit.demo import write_corpus
+from kit.volunteer import http_get
 
 pytestmark = [pytest.mark.sockets, pytest.mark.processes]
 
+#: Makes ``import ipywidgets`` fail in a Python that has it installed (a GPU server without it).
+NO_IPYWIDGETS = """
+import sys
 
-def test_kit_demo_trains_and_the_loss_goes_down(tmp_path) -> None:
-    command = [sys.executable, "-m", "kit", "demo", "--duration", "45", "--work-dir", str(tmp_path)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=420)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-3000:]
-    assert "dashboard at http://127.0.0.1:" in done.stdout
-    found = re.search(
-        r"(\d+) global steps by (\d+) volunteers; loss ([\d.]+) -> ([\d.]+)", done.stdout
+class _NoIpywidgets:
+    def find_spec(self, name, path=None, target=None):
+        if name == "ipywidgets" or name.startswith("ipywidgets."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, _NoIpywidgets())
+"""
+
+
+def without_ipywidgets(folder: Path) -> dict[str, str]:
+    """An environment whose Python cannot import ipywidgets (a sitecustomize blocks it)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(NO_IPYWIDGETS)
+    path = os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
+
+
+def kit_process(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "kit", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
-    assert found is not None, done.stdout[-2000:]
+
+
+def finish(process: subprocess.Popen[str], timeout: float) -> tuple[str, str]:
+    try:
+        return process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
+        raise
+
+
+def check_as_a_remote_volunteer(url: str, tmp_path: Path) -> None:
+    run = json.loads(http_get(url + "/api/run"))
+    assert run["kit_version"] == kit.__version__
+    wheel = http_get(run["install"])
+    wheel_file = tmp_path / Path(run["install"]).name
+    wheel_file.write_bytes(wheel)
+    with zipfile.ZipFile(wheel_file) as archive:
+        (metadata,) = [name for name in archive.namelist() if name.endswith(".dist-info/METADATA")]
+        text = archive.read(metadata).decode()
+    assert f"Version: {kit.__version__}" in text and "Name: kit-collab" in text
+    notebook = json.loads(http_get(url + "/join.ipynb"))
+    code = [cell for cell in notebook["cells"] if cell["cell_type"] == "code"]
+    assert len(code) == 1 and f'COORDINATOR = "{url}"' in "".join(code[0]["source"])
+
+    checked_in, joined_in = tmp_path / "preflight", tmp_path / "headless"
+    checked_in.mkdir()
+    joined_in.mkdir()
+    environment = without_ipywidgets(tmp_path / "no-ipywidgets")
+    blocked = subprocess.run(
+        [sys.executable, "-c", "import ipywidgets"], env=environment, capture_output=True
+    )
+    assert blocked.returncode != 0  # the blocker works
+    # Both at once (each mostly waits for its imports on this loaded machine).
+    checking = kit_process("preflight", url, cwd=checked_in)
+    joining = kit_process(
+        "join", url, "--host", "127.0.0.1", "--max-steps", "2", "--username", "headless",
+        cwd=joined_in, env=environment,
+    )  # fmt: skip
+    checked_out, checked_err = finish(checking, 240)
+    assert checking.returncode == 0, checked_out + checked_err[-2000:]
+    assert "preflight passed" in checked_out
+    _, joined_err = finish(joining, 240)
+    assert joining.returncode == 0, joined_err[-3000:]
+    assert re.search(r"done: [1-9]\d* samples", joined_err), joined_err[-2000:]
+    # The console: kit's own lines, not websockets' INFO chatter.
+    assert "websockets" not in joined_err and "HTTP response sent" not in joined_err
+
+
+def test_kit_demo_trains_and_a_remote_volunteer_can_join_it(tmp_path: Path) -> None:
+    work = tmp_path / "demo"
+    command = [sys.executable, "-m", "kit", "demo", "--duration", "45", "--work-dir", str(work)]
+    errors = (tmp_path / "stderr.txt").open("w")  # a file: a full pipe would stall the demo
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors, text=True)
+    try:
+        assert process.stdout is not None
+        seen: list[str] = []
+        deadline = time.monotonic() + 180
+        url = None
+        while url is None and time.monotonic() < deadline:
+            line = process.stdout.readline()
+            if not line:
+                break
+            seen.append(line)
+            found = re.search(r"dashboard at (http://127\.0\.0\.1:\d+)/", line)
+            url = found.group(1) if found else None
+        assert url is not None, "".join(seen)
+        check_as_a_remote_volunteer(url, tmp_path)
+        stdout, _ = process.communicate(timeout=420)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+        errors.close()
+    stdout = "".join(seen) + stdout
+    stderr = (tmp_path / "stderr.txt").read_text()
+    assert process.returncode == 0, (stdout + stderr)[-3000:]
+    found = re.search(r"(\d+) global steps by (\d+) volunteers; loss ([\d.]+) -> ([\d.]+)", stdout)
+    assert found is not None, stdout[-2000:]
     steps, volunteers, start, end = found.groups()
-    assert int(steps) >= 3 and int(volunteers) == 3
+    assert int(steps) >= 3 and int(volunteers) == 4  # its 3 and the headless one
     assert float(end) < float(start)
     # Every volunteer left by itself at the end of its time, and the coordinator kept a checkpoint.
-    assert list((tmp_path / "coordinator" / "checkpoints").glob("step_*/kit_checkpoint.json"))
+    assert list((work / "coordinator" / "checkpoints").glob("step_*/kit_checkpoint.json"))
+    # Its volunteers got data and tokenizer as remote ones do: their folders hold their own
+    # key, caches and log, nothing of the organizer's.
+    for index in range(3):
+        assert sorted(p.name for p in (work / f"volunteer-{index}").iterdir()) == [
+            ".kit",
+            "log.txt",
+        ]
+    assert list((work / "volunteer-0" / ".kit" / "data").glob("*/*.kitshard.zst"))
+    # The console shows kit's own lines and one progress line, not websockets' INFO chatter.
+    assert "websockets" not in stderr and "HTTP response sent" not in stderr
 
 
 def test_the_demo_corpus_is_generated_locally_and_reproducibly(tmp_path) -> None:

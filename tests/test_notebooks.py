@@ -16,6 +16,8 @@ import dataclasses
 import json
 import re
 import socket
+import subprocess
+import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,8 +27,9 @@ import pytest
 
 from kit.config import RunConfig
 from kit.coordinator import Coordinator, CoordinatorOptions, create_authority
-from kit.demo import prepare
+from kit.demo import prepare, write_corpus
 from kit.testing.fake_hub import FakeHub
+from kit.volunteer import http_get
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO / "notebooks"
@@ -93,21 +96,36 @@ def quiet_kernel_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 # --- the organizer's notebook -------------------------------------------------------------------
 
 CONFIG_CHECK = """
-import json, urllib.request
+import json, re, shutil, subprocess, sys, tempfile
 from kit.config import RunConfig
-opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+from kit.volunteer import http_get
+
+def kit_command(*args, cwd, timeout):
+    return subprocess.run([sys.executable, "-m", "kit", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout)
+
 try:
-    with opener.open(coordinator.join_url + "/api/run", timeout=30) as answer:
-        run = json.loads(answer.read())
+    url = coordinator.join_url
+    run = json.loads(http_get(url + "/api/run"))
     assert run["run_id"] == RUN_ID == config.collaboration.run_id, run["run_id"]
-    assert run["config_hash"] == config.config_hash()
-    assert run["authority_public_key"] == config.access.authority_public_key
-    assert run["initial_peers"] and run["tokenizer_url"] == "/api/tokenizer.json"
-    reloaded = RunConfig.from_file("run.yaml")
-    assert reloaded == config and reloaded.config_hash() == run["config_hash"]
-    assert RunConfig.from_dict(run["config"]) == config
-    assert list(reloaded.access.usernames) == ALLOWLIST
-    print("api/run checked:", run["config_hash"][:16])
+    assert run["config_hash"] == config.config_hash() == RunConfig.from_file("run.yaml").config_hash()
+    assert run["tokenizer_url"] and run["data_manifest"] and run["install"].endswith(".whl"), run
+    # The organizer's files go away: volunteers get everything from the coordinator.
+    shutil.rmtree("corpus")
+    shutil.rmtree("tokenizer")
+    with tempfile.TemporaryDirectory() as empty:
+        checked = kit_command("preflight", url, cwd=empty, timeout=180)
+    assert checked.returncode == 0, checked.stdout + checked.stderr[-3000:]
+    assert "preflight passed" in checked.stdout, checked.stdout
+    with tempfile.TemporaryDirectory() as empty:
+        joined = kit_command("join", url, "--host", "127.0.0.1", "--max-steps", "24", cwd=empty,
+                             timeout=240)
+        left_behind = sorted(path.name for path in __import__("pathlib").Path(empty).iterdir())
+    assert joined.returncode == 0, joined.stderr[-3000:]
+    done = re.search(r"done: (\\d+) samples, (\\d+) global steps", joined.stderr)
+    assert done is not None and int(done.group(2)) >= 2, joined.stderr[-3000:]
+    assert left_behind == [".kit"], left_behind  # its key and caches, nothing else
+    print("volunteer trained", done.group(2), "global steps on served data")
 finally:
     coordinator.shutdown()
 """
@@ -115,7 +133,8 @@ finally:
 
 @pytest.mark.notebooks
 @pytest.mark.sockets
-def test_config_notebook_writes_run_yaml_and_starts_a_coordinator(
+@pytest.mark.processes
+def test_config_notebook_with_its_defaults_starts_a_run_a_remote_volunteer_trains_in(
     tmp_path: Path, quiet_kernel_env: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import nbformat
@@ -123,44 +142,33 @@ def test_config_notebook_writes_run_yaml_and_starts_a_coordinator(
     # This run needs no Hub: a call to it would fail at once on a closed loopback port. (Not
     # HF_HUB_OFFLINE: huggingface_hub reads it once at import, and this process imports it.)
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{free_port()}")
-    _, tokenizer_dir = prepare(tmp_path / "data", documents=200)
+    organizer = tmp_path / "organizer"
+    write_corpus(organizer / "corpus", documents=600)  # where DATA_FILES points by default
     port = free_port()
     notebook = nbformat.read(NOTEBOOKS / "config.ipynb", as_version=4)
     (parameters,) = [c for c in notebook.cells if "parameters" in c.metadata.get("tags", [])]
-    parameters.source = "\n".join(
-        [
-            'RUN_ID = "notebook-test"',
-            'MODEL = "tiny"',
-            f"DATA_FILES = [{str(tmp_path / 'data' / 'demo_corpus' / '*.txt')!r}]",
-            f"TOKENIZER_DIR = {str(tokenizer_dir)!r}",
-            "TARGET_BATCH_SIZE = 16",
-            "LEARNING_RATE = 0.01",
-            "WARMUP_STEPS = 5",
-            "TOTAL_STEPS = 100",
-            'ALLOWLIST = ["alice"]',
-            "ORGANIZATIONS = []",
-            "HUB_REPO = None",
-            "PUBLIC_ADDRESS = None",
-            f'HOST, PORT = "127.0.0.1", {port}',
-            f"STATE_DIR = {str(tmp_path / 'state')!r}",
-            "START_COORDINATOR = True",
-        ]
+    source, replaced = re.subn(
+        r'^HOST, PORT = .*$', f'HOST, PORT = "127.0.0.1", {port}', parameters.source, flags=re.M
     )
+    assert replaced == 1
+    parameters.source = source  # everything else as the organizer finds it
     notebook.cells.append(nbformat.v4.new_code_cell(CONFIG_CHECK))
-    execute(notebook, tmp_path)
+    execute(notebook, organizer)
 
     outputs = code_outputs(notebook)
-    assert not [o for o in outputs if o.get("output_type") == "error"]
-    assert not [o for o in outputs if o.get("name") == "stderr" and "Traceback" in o["text"]]
+    errors = [o for o in outputs if o.get("output_type") == "error"]
+    assert not errors, errors
     html = [o["data"]["text/html"] for o in outputs if "text/html" in o.get("data", {})]
     assert any("<table" in table for table in html), "the memory table is not shown"
     printed = text_of(outputs)
+    assert "trained a tokenizer of" in printed
+    assert "preflight passed" in printed
     assert f"join link for volunteers: http://127.0.0.1:{port}" in printed
-    assert "api/run checked:" in printed
-    written = RunConfig.from_file(tmp_path / "run.yaml")
-    assert written.collaboration.run_id == "notebook-test"
-    assert written.access.usernames == ("alice",)
-    assert written.access.authority_public_key == create_authority(tmp_path / "state")
+    assert f'COORDINATOR = "http://127.0.0.1:{port}"' in printed  # the cell to paste
+    assert "volunteer trained" in printed
+    written = RunConfig.from_file(organizer / "run.yaml")
+    assert written.collaboration.run_id == "my-albert"
+    assert [source.served for source in written.data.sources] == [True]
 
 
 # --- the volunteer's notebook -------------------------------------------------------------------
@@ -232,38 +240,78 @@ print("volunteer stopped after", volunteer.status.samples_total, "samples")
 """
 
 
-def _join_parameters(source: str, coordinator: str) -> str:
-    """The join cell with the coordinator's link and the install line skipped."""
-    source, links = re.subn(
-        r'^COORDINATOR = ".*"$', f"COORDINATOR = {coordinator!r}", source, flags=re.M
+JOIN_CHECK += """
+import importlib.metadata, sys
+assert kit.__file__.startswith(sys.prefix), kit.__file__  # the wheel, not the developer's kit
+print("kit", kit.__version__, "from", kit.__file__)
+"""
+
+
+def fresh_venv_kernel(root: Path) -> str:
+    """A virtual environment that sees the system's packages (torch, ipykernel, ...) but not this
+    checkout's kit, and a Jupyter kernel running in it; returns the kernel's name."""
+    venv = root / "venv"
+    # --without-pip: pip (and setuptools) come from the system like everything else, as on Colab;
+    # a venv's own old setuptools would make pip want to upgrade it for torch.
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
+        check=True,
+        timeout=120,
     )
-    source, installs = re.subn(r"^INSTALL = True\b", "INSTALL = False", source, flags=re.M)
-    assert links == 1 and installs == 1, "the join cell no longer has COORDINATOR / INSTALL lines"
-    return source
+    spec = root / "jupyter" / "kernels" / "kit-venv"
+    spec.mkdir(parents=True)
+    argv = [str(venv / "bin" / "python"), "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+    (spec / "kernel.json").write_text(
+        json.dumps({"argv": argv, "display_name": "kit venv", "language": "python"})
+    )
+    return "kit-venv"
+
+
+def site_packages(venv: Path) -> list[str]:
+    (folder,) = (venv / "lib").glob("python3*/site-packages")
+    return sorted(path.name for path in folder.iterdir() if path.name != "__pycache__")
 
 
 @pytest.mark.notebooks
 @pytest.mark.sockets
 @pytest.mark.processes  # the kernel is a training peer of its own
-def test_join_notebook_logs_in_trains_and_stops(
+def test_join_notebook_installs_from_the_coordinator_in_a_fresh_venv_and_trains(
     allowlisted_run: AllowlistedRun, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import nbformat
+    from nbclient import NotebookClient
 
     run = allowlisted_run
-    notebook = nbformat.read(NOTEBOOKS / "join.ipynb", as_version=4)
+    link = run.coordinator.join_url
+    # The notebook as the dashboard hands it out: the link filled in, INSTALL = True.
+    notebook = nbformat.reads(http_get(link + "/join.ipynb").decode(), as_version=4)
     code = [cell for cell in notebook.cells if cell.cell_type == "code"]
     assert len(code) == 1, "the join notebook is one cell"
-    code[0].source = _join_parameters(code[0].source, run.coordinator.join_url)
+    assert f'COORDINATOR = "{link}"' in code[0].source
+    assert re.search(r"^INSTALL = True\b", code[0].source, re.M)
     notebook.cells.append(nbformat.v4.new_code_cell(JOIN_CHECK))
+    kernel = fresh_venv_kernel(run.root)
+    monkeypatch.setenv("JUPYTER_PATH", str(run.root / "jupyter"))
+    monkeypatch.delenv("PYTHONPATH", raising=False)  # the kernel must import the installed wheel
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # nothing may be downloaded: no package upgraded
+    monkeypatch.setenv("PIP_DISABLE_PIP_VERSION_CHECK", "1")
     monkeypatch.setenv("HF_ENDPOINT", run.hub.endpoint)
     monkeypatch.setenv("HF_TOKEN", "hf_alice")
     workdir = run.root / "volunteer"
     workdir.mkdir()
-    execute(notebook, workdir)
+    NotebookClient(
+        notebook,
+        kernel_name=kernel,
+        timeout=NOTEBOOK_TIMEOUT,
+        resources={"metadata": {"path": str(workdir)}},
+    ).execute()
 
     outputs = code_outputs(notebook)
-    assert not [o for o in outputs if o.get("output_type") == "error"]
+    assert not [o for o in outputs if o.get("output_type") == "error"], text_of(outputs)[-3000:]
+    # Only kit went into the venv: every dependency was already there and stayed as it was.
+    assert site_packages(run.root / "venv") == ["kit", "kit_collab-0.1.0.dist-info"]
+    printed = text_of(outputs)
+    assert "kit 0.1.0 from " + str(run.root / "venv") in printed, printed[-2000:]
     widgets = [
         o
         for o in code[0].outputs
@@ -275,10 +323,17 @@ def test_join_notebook_logs_in_trains_and_stops(
     state = json.dumps(notebook.metadata.get("widgets", {}))
     assert ">stopped</span>" in state
     assert "PasswordModel" not in state
-    assert "volunteer stopped after" in text_of(outputs)
+    assert "volunteer stopped after" in printed
     rows = run.coordinator.collector.leaderboard()
     alice = [row for row in rows if row["username"] == "alice"]
     assert alice and alice[0]["samples"] > 0 and alice[0]["verified"], rows
+
+
+def test_the_repository_join_notebook_is_the_served_one_with_a_placeholder() -> None:
+    from kit.join_notebook import PLACEHOLDER_LINK, join_notebook
+
+    assert json.loads((NOTEBOOKS / "join.ipynb").read_text("utf-8")) == join_notebook()
+    assert PLACEHOLDER_LINK in (NOTEBOOKS / "join.ipynb").read_text("utf-8")
 
 
 @pytest.mark.sockets

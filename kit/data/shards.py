@@ -213,7 +213,15 @@ def read_shard(
         raise _invalid(where, "ends without a trailer (truncated download?)")
 
 
-def _objects(reader: Any, unpacker: msgpack.Unpacker, where: str) -> Iterator[Any]:
+def _objects(
+    reader: Any,
+    unpacker: msgpack.Unpacker,
+    where: str,
+    # Bound with the function: a reader left open until interpreter exit is closed after the
+    # modules are torn down, when ``zstandard.ZstdError`` would no longer resolve.
+    _zstd_error: type[Exception] = zstandard.ZstdError,
+    _msgpack_errors: tuple[type[Exception], ...] = (msgpack.UnpackException, ValueError),
+) -> Iterator[Any]:
     try:
         while True:
             chunk = reader.read(_READ_CHUNK)
@@ -221,9 +229,9 @@ def _objects(reader: Any, unpacker: msgpack.Unpacker, where: str) -> Iterator[An
                 return
             unpacker.feed(chunk)
             yield from unpacker
-    except zstandard.ZstdError as error:
+    except _zstd_error as error:
         raise _invalid(where, f"is not valid zstd ({error})") from None
-    except (msgpack.UnpackException, ValueError) as error:
+    except _msgpack_errors as error:
         raise _invalid(where, f"holds malformed msgpack ({error})") from None
 
 

@@ -1,0 +1,148 @@
+"""``kit preflight`` and the coordinator's start-up check (one implementation): a run a remote
+volunteer can train in passes; a run whose tokenizer or data a remote volunteer cannot reach is
+refused at start, with each reason and what to do; a volunteer with another kit is told."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import kit
+from kit.config import RunConfig, SourceConfig
+from kit.coordinator import Coordinator, CoordinatorOptions
+from kit.demo import prepare
+from kit.errors import DataSourceNotFound, PreflightFailed
+from kit.preflight import CHECKS, run_preflight
+
+pytestmark = pytest.mark.sockets
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def options(root: Path, **changes: object) -> CoordinatorOptions:
+    values: dict[str, object] = dict(
+        host="127.0.0.1",
+        state_dir=str(root / "coordinator"),
+        tokenizer_dir=str(root / "demo_tokenizer"),
+        auxiliary_peer=False,
+        shard_tokens=4_000,
+    )
+    values.update(changes)
+    return CoordinatorOptions(**values)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def organizer(tmp_path_factory: pytest.TempPathFactory) -> tuple[RunConfig, Path]:
+    root = tmp_path_factory.mktemp("organizer")
+    config, _ = prepare(root, documents=300)
+    return config, root
+
+
+@pytest.fixture(scope="module")
+def running(organizer: tuple[RunConfig, Path]) -> Iterator[Coordinator]:
+    config, root = organizer
+    with Coordinator(config, options(root)) as coordinator:
+        yield coordinator
+
+
+def test_a_run_a_remote_volunteer_can_train_in_passes(running: Coordinator, tmp_path: Path) -> None:
+    assert running.preflight is not None and running.preflight.ok  # its own start-up check
+    report = run_preflight(running.join_url, work_dir=tmp_path / "volunteer")
+    assert report.ok, report.text()
+    assert [check.name for check in report.checks] == list(CHECKS)
+    assert "preflight passed" in report.text()
+    assert sorted(p.name for p in (tmp_path / "volunteer").iterdir()) == [".kit"]
+
+
+def test_another_kit_version_is_a_problem_with_the_organizers_wheel_as_help(
+    running: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    describe = running.handout.describe
+    monkeypatch.setattr(
+        running.handout, "describe", lambda base: {**describe(base), "kit_version": "9.9.9"}
+    )
+    report = run_preflight(running.join_url)
+    (problem,) = report.problems
+    assert problem.startswith(f"versions: kit {kit.__version__} here, the organizer runs kit 9.9.9")
+    assert "help: install the organizer's kit from http://127.0.0.1:" in problem
+    assert ".whl" in problem
+    assert [check.ok for check in report.checks] == [True, False, True, True, True]
+
+
+def test_kit_preflight_on_a_dead_link_exits_1_with_help(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "kit", "preflight", f"http://127.0.0.1:{free_port()}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 1
+    assert done.stdout.startswith("FAIL run: cannot reach") and "help:" in done.stdout
+    assert "preflight failed: 1 problem(s)" in done.stdout
+
+
+def test_a_coordinator_without_a_tokenizer_volunteers_can_get_refuses_to_start(
+    organizer: tuple[RunConfig, Path], tmp_path: Path
+) -> None:
+    config, root = organizer
+    nowhere = dataclasses.replace(config.tokenizer, output_dir=str(tmp_path / "no-tokenizer"))
+    port = free_port()
+    coordinator = Coordinator(
+        dataclasses.replace(config, tokenizer=nowhere),
+        options(root, tokenizer_dir=None, state_dir=str(tmp_path / "state"), port=port),
+    )
+    with pytest.raises(PreflightFailed) as refused:
+        coordinator.start()
+    (problem,) = refused.value.problems
+    assert problem.startswith("tokenizer: the coordinator serves no tokenizer") and "help:" in problem
+    assert "could not train" in str(refused.value)
+    with socket.socket() as sock:  # nothing was left running
+        assert sock.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_a_coordinator_whose_hub_dataset_volunteers_cannot_stream_refuses_to_start(
+    organizer: tuple[RunConfig, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import datasets.config
+
+    from kit.testing.fake_hub import FakeHub
+
+    config, root = organizer
+    missing = SourceConfig("wiki", path="organizer/no-such-dataset", probability=0.5)
+    files = dataclasses.replace(config.data.sources[0], probability=0.5)
+    data = dataclasses.replace(config.data, sources=(files, missing))
+    with FakeHub() as hub, hub.patched_client(tmp_path / "hf_home"):
+        monkeypatch.setattr(datasets.config, "HF_ENDPOINT", hub.endpoint)  # frozen at import
+        coordinator = Coordinator(
+            dataclasses.replace(config, data=data),
+            options(root, state_dir=str(tmp_path / "state")),
+        )
+        with pytest.raises(PreflightFailed) as refused:
+            coordinator.start()
+    (problem,) = refused.value.problems
+    assert problem.startswith("data: source 'wiki'") and "help:" in problem
+
+
+def test_a_coordinator_whose_files_are_missing_refuses_to_start(
+    organizer: tuple[RunConfig, Path], tmp_path: Path
+) -> None:
+    config, root = organizer
+    gone = dataclasses.replace(config.data.sources[0], data_files=(str(tmp_path / "gone/*.txt"),))
+    coordinator = Coordinator(
+        dataclasses.replace(config, data=dataclasses.replace(config.data, sources=(gone,))),
+        options(root, state_dir=str(tmp_path / "state")),
+    )
+    with pytest.raises(DataSourceNotFound, match="no file matches .*help:"):
+        coordinator.start()
+    coordinator.shutdown()
