@@ -89,3 +89,15 @@ def test_a_file_stream_is_not_spammed() -> None:
         reporter.update(status(samples_accumulated=accumulated))
     reporter.close()
     assert stream.getvalue().count("\r") < 10
+
+
+def test_a_new_global_step_is_drawn_once_in_a_log_file() -> None:
+    stream = io.StringIO()  # a file or a pipe, as `kit demo` gives its volunteers
+    reporter = ConsoleReporter(stream=stream)
+    for step in (3, 4, 5):
+        reporter.update(status(global_epoch=step, samples_accumulated=0))
+        reporter.update(status(global_epoch=step, samples_accumulated=900))
+    drawn = [line for line in stream.getvalue().split("\r") if line.strip()]
+    assert sum("step 4" in line for line in drawn) == 1
+    assert sum("step 5" in line for line in drawn) == 1
+    reporter.close()
