@@ -8,6 +8,8 @@ Three questions a researcher asks of a collaborative run, one function each:
 * :func:`evaluate_series` - is the run on track? The same (or the cheap masked-LM loss) for
   every checkpoint of the run, plotted against the training step.
 * :func:`masked_lm_loss` - what is one checkpoint's held-out masked-LM loss and perplexity?
+* :func:`plan_evaluation` - what the notebook runs by default on this device (CPU: the run's
+  checkpoint, one seed, no baselines; GPU: the paper's set) and how long it will take.
 
 :func:`run` does the first two for the notebook's single call. The pieces live in
 ``kit/evaluation/`` (checkpoints, tasks, metrics, finetune, mlm, report); this module only wires
@@ -48,6 +50,7 @@ from kit.evaluation.finetune import FinetuneConfig, RunResult, finetune
 from kit.evaluation.metrics import MeanStd, accuracy, entity_scores, mean_std
 from kit.evaluation.mlm import MaskedLMResult
 from kit.evaluation.mlm import masked_lm_loss as _masked_lm_loss
+from kit.evaluation.plan import EvaluationPlan, plan_evaluation, run_checkpoint
 from kit.evaluation.report import (
     PAPER_RESULTS,
     ModelRow,
@@ -67,6 +70,7 @@ __all__ = [
     "TASKS",
     "Checkpoint",
     "DatasetSource",
+    "EvaluationPlan",
     "EvaluationReport",
     "FinetuneConfig",
     "MaskedLMResult",
@@ -86,8 +90,10 @@ __all__ = [
     "masked_lm_loss",
     "mean_std",
     "parse_commit_title",
+    "plan_evaluation",
     "read_checkpoint_info",
     "run",
+    "run_checkpoint",
     "write_checkpoint_info",
 ]
 

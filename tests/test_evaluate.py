@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -180,37 +181,46 @@ def test_bad_seeds_and_nothing_to_do(inputs: dict) -> None:
 
 
 @pytest.mark.notebooks
-def test_notebook_runs_headless(
+def test_notebook_on_a_cpu_judges_the_runs_checkpoint_once_and_says_how_long_first(
     inputs: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import nbformat
     from nbclient import NotebookClient
 
+    from kit.config import RunConfig
+
     run = tmp_path / "checkpoints"
     for step, seed in ((10, 1), (20, 2)):
         folder = tiny.make_checkpoint(run / f"step_{step:06d}", inputs["tokenizer"], seed=seed)
         evaluate.write_checkpoint_info(folder, step=step, loss=10.0 / step)
+    config = RunConfig.tiny_demo()  # the run the organizer wrote, checkpoints saved here
+    run_yaml = tmp_path / "run.yaml"
+    RunConfig.from_dict(
+        {**config.to_dict(), "checkpoint": {**config.to_dict()["checkpoint"], "folder": str(run)}}
+    ).to_file(run_yaml)
     notebook = nbformat.read(REPO / "notebooks" / "evaluate.ipynb", as_version=4)
     (parameters,) = [c for c in notebook.cells if "parameters" in c.metadata.get("tags", [])]
     datasets = {task: source.path for task, source in inputs["datasets"].items()}
-    parameters.source = "\n".join(
-        [
-            f"CHECKPOINTS = [{str(inputs['checkpoint'])!r}]",
-            "TASKS = ['ner', 'ncc']",
-            "SEEDS = 3",
-            "BASELINES = []",
-            f"SERIES = {str(run)!r}",
-            "SERIES_MAX_POINTS = 8",
-            "HELDOUT_TEXT = None",
-            f"DATASETS = {datasets!r}",
-            "FINETUNE = {'num_epochs': 2, 'batch_size': 8, 'learning_rate': 1e-2, 'device': 'cpu'}",
-            f"OUTPUT_DIR = {str(tmp_path / 'out')!r}",
-        ]
-    )
+    for name, value in {  # the defaults stay: CHECKPOINTS, SEEDS and BASELINES are None
+        "RUN_YAML, STATE_DIR": (str(run_yaml), str(tmp_path)),
+        "SERIES": str(run),
+        "DATASETS": datasets,
+        "FINETUNE": {"num_epochs": 2, "batch_size": 8, "learning_rate": 1e-2, "device": "cpu"},
+        "OUTPUT_DIR": str(tmp_path / "out"),
+    }.items():
+        source, found = re.subn(
+            rf"^{re.escape(name)} = .*$", f"{name} = {value!r}", parameters.source, flags=re.M
+        )
+        assert found == 1, name
+        parameters.source = source
+    assert re.search(r"^CHECKPOINTS = None$", parameters.source, re.M)
+    assert re.search(r"^SEEDS = None$", parameters.source, re.M)
+    assert re.search(r"^BASELINES = None$", parameters.source, re.M)
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets-cache"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TQDM_DISABLE", "1")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     NotebookClient(
         notebook, kernel_name="python3", timeout=240, resources={"metadata": {"path": str(REPO)}}
     ).execute()
@@ -220,9 +230,41 @@ def test_notebook_runs_headless(
         if cell.cell_type == "code"
         for output in cell.get("outputs", [])
     ]
+    printed = "".join(o.get("text", "") for o in outputs if o.get("name") == "stdout")
+    first = printed.splitlines()[0]
+    assert first.startswith("On the CPU: 1 model(s) (no baselines) x 2 task(s) x 1 seed(s)"), first
+    assert "step_000020" in first and re.search(r"Estimated time: \d+ (s|min)", first), first
     shown = [o for o in outputs if o.get("output_type") == "display_data"]
     markdown = [o["data"]["text/markdown"] for o in shown if "text/markdown" in o["data"]]
-    assert any("| final |" in text and "±" in text and "(paper)" in text for text in markdown)
+    assert any("this run (step_000020)" in text and "(paper)" in text for text in markdown)
     assert any("image/png" in o["data"] for o in shown)
-    assert (tmp_path / "out" / "results.csv").exists()
+    with (tmp_path / "out" / "runs.csv").open() as file:
+        runs = list(csv.DictReader(file))
+    assert len(runs) == 2 and {row["seed"] for row in runs} == {"0"}  # one seed, two tasks
     assert (tmp_path / "out" / "series.png").exists()
+
+
+def test_the_plan_follows_the_device_and_estimates_from_one_timed_step(
+    inputs: dict, tmp_path: Path
+) -> None:
+    from kit.evaluation.plan import SPLIT_SIZES
+
+    cpu = evaluate.plan_evaluation(run_yaml=tmp_path / "none.yaml", device="cpu", step=lambda *_: 0.5)
+    assert [c.source for c in cpu.checkpoints] == ["neuropark/sahajBERT"]  # no run here
+    assert cpu.baselines == () and cpu.seeds == 1
+    steps = sum(
+        (math.ceil(size["train"] / 32) + math.ceil((size["validation"] + size["test"]) / 64) * 0.35)
+        * 20
+        for size in SPLIT_SIZES.values()
+    )
+    assert cpu.seconds == pytest.approx(steps * 0.5)
+    gpu = evaluate.plan_evaluation(run_yaml=tmp_path / "none.yaml", device="cuda", step=lambda *_: 0.01)
+    names = [c.name for c in gpu.baselines]
+    assert names == ["sahajBERT", "XLM-R large", "IndicBERT", "bnRoBERTa"] and gpu.seeds == 3
+    assert gpu.checkpoints == () and gpu.seconds == pytest.approx(steps * 0.01 * 3 * 4)
+    assert "On the CUDA: 4 model(s) (4 baselines) x 2 task(s) x 3 seed(s)" in gpu.text()
+    # A real timed step of a local checkpoint's architecture (random weights, nothing downloaded).
+    timed = evaluate.plan_evaluation(
+        [inputs["checkpoint"]], seeds=1, baselines=[], device="cpu", config=QUICK
+    )
+    assert timed.seconds is not None and 0 < timed.seconds < 3600
