@@ -21,7 +21,7 @@ import hashlib
 import itertools
 import json
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from typing import Any
 
 import numpy as np
@@ -248,7 +248,7 @@ class PretrainingPipeline:
 
     def batches(
         self, batch_size: int, collator: AlbertCollator | None = None
-    ) -> Iterator[dict[str, torch.Tensor]]:
+    ) -> Generator[dict[str, torch.Tensor], None, None]:
         """Padded batches of ``batch_size`` examples (the last one may be smaller if data ends).
 
         Args:
