@@ -5,18 +5,25 @@ Map of the package (data flows down this list; each room imports only rooms abov
     errors.py        the one exception tree (whose fault? transient or permanent?)
     config/          RunConfig and its sections (frozen dataclasses, torch-free)
     runtime.py       the one asyncio loop in one background thread + blocking facade
+    http_client.py   the bounded blocking HTTP GET volunteers use to talk to a coordinator
     p2p/             websocket peer-to-peer layer: identity, wire format, handshake,
                      multiplexed streams, relays for peers behind NAT (torch-free)
     auth/            allowlist auth: access tokens, revocation, token endpoint (torch-free)
     dht/             Kademlia DHT with hivemind's store/get semantics (torch-free)
     averaging/       butterfly all-reduce, load-balancing LP, compression codecs
     optim/           kit.Optimizer: DeDLOC's collaborative optimizer, progress, state sharing
-    data/            streaming tokenization pipeline, ALBERT MLM+SOP examples, tokenizer recipe
+    data/            streaming tokenization pipeline, ALBERT MLM+SOP examples, tokenizer recipe,
+                     the organizer's files served as token shards
     hardware/        detect the machine, plan device / precision / micro-batch
     metrics/         contribution records and their aggregation (leaderboard, loss curve)
     training/        model and optimizer from a RunConfig, the training loop, checkpoints
     dashboard/       the coordinator's web page and JSON API (torch-free)
     ui/              notebook widgets (login, live panel) and the console reporter
+    remote_run.py    a run as a remote volunteer sees it: /api/run, tokenizer, served data
+    join_notebook.py the one-cell join notebook (served by the coordinator at /join.ipynb)
+    wheel.py         the wheel of the running kit (volunteers install the organizer's version)
+    handout.py       what the coordinator hands to volunteers besides the swarm
+    preflight.py     `kit preflight URL`, also the coordinator's start-up check
     volunteer.py     the volunteer's entry module: kit.join / `kit join` (join.ipynb)
     coordinator.py   the organizer's entry module: `kit coordinator` (config.ipynb)
     demo.py          `kit demo`: a coordinator and 3 volunteers on this machine

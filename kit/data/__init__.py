@@ -7,6 +7,9 @@ Map of the package (data flows down the list):
     shards.py      zstd-compressed pre-tokenized shards (writer, validating reader, source)
     examples.py    ALBERT examples: segments A/B, sentence order (SOP), masked LM
     collate.py     padding into the tensors AlbertForPreTraining takes
+    manifest.py    what a coordinator serves: shards per source, their SHA-256 (strict JSON)
+    serving.py     the organizer's files as shards, cached; the manifest and range routes
+    remote.py      a volunteer's verified, resumable shard downloads, in its own order
     pipeline.py    the resumable chain of all of the above, for one peer
     synthetic.py   generated pseudo-Bengali text for tests and benchmarks
     cli.py         ``kit tokenizer train --config run.yaml``
@@ -27,6 +30,10 @@ _EXPORTS = {
     "VocabularyTables": "examples",
     "PipelineStatistics": "pipeline",
     "PretrainingPipeline": "pipeline",
+    "DataManifest": "manifest",
+    "ServedData": "remote",
+    "ServedShardSource": "remote",
+    "prepare_served_data": "serving",
     "ShardSource": "shards",
     "ShardWriter": "shards",
     "read_shard": "shards",

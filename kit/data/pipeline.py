@@ -1,6 +1,7 @@
 """The streaming pretraining pipeline of one peer: documents in, masked ALBERT examples out.
 
-It holds the wiring of the stages, in order: sources (kit.data.sources / kit.data.shards) →
+It holds the wiring of the stages, in order: sources (kit.data.sources / kit.data.shards, or
+kit.data.remote for what a coordinator serves) →
 interleave → window shuffle → tokenize in batches (``encode_batch_fast``) → examples with SOP +
 MLM (kit.data.examples) → padded batches (kit.data.collate). It also holds the resumable state of
 the whole chain. ``state_dict()`` records the document-stream state before the current tokenizer

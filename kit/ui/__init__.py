@@ -14,7 +14,8 @@ Read in this order:
 
 This package only draws :class:`~kit.training.status.TrainingStatus` snapshots and calls the
 callbacks it is given; it decides nothing about training (that is ``kit.training`` and
-``kit.volunteer``). The widgets used exist in both ipywidgets 7.7 (Colab) and 8.x.
+``kit.volunteer``). The widgets used exist in both ipywidgets 7.7 (Colab) and 8.x; ipywidgets is
+imported only where a widget is made, so ``kit join`` runs on a server that does not have it.
 """
 
 from kit.ui.console import ConsoleReporter

@@ -27,6 +27,7 @@ RUN = "browser-test"
 EPOCHS = 6
 XSS_NAME = "<img src=x onerror=\"document.title='pwned'\">"
 LINK = "https://run.example.org"
+WHEEL = LINK + "/install/kit_collab-9.9-py3-none-any.whl"
 BROWSER_TIMEOUT = 120_000 * MS
 
 pytestmark = [
@@ -98,7 +99,12 @@ async def test_dashboard_renders_the_live_curve_and_leaderboard(tmp_path: Path) 
             coordinator.peer,  # type: ignore[arg-type]
             collector,
             title="Browser test run",
-            run_info=lambda: {"run_id": RUN, "time": 1764100000.0, "kit_version": "9.9"},
+            run_info=lambda: {
+                "run_id": RUN,
+                "time": 1764100000.0,
+                "kit_version": "9.9",
+                "install": WHEEL,
+            },
         )
 
         async def notebook(request: HttpRequest) -> HttpResponse:
@@ -167,4 +173,4 @@ async def test_dashboard_renders_the_live_curve_and_leaderboard(tmp_path: Path) 
     assert f'COORDINATOR = "{LINK}"' in cell and "kit.join(COORDINATOR)" in cell
     assert 'id="copy-cell"' in join.group(1) and 'href="join.ipynb"' in join.group(1)
     assert "Colab" in join.group(1) and "Kaggle" in join.group(1)
-    assert f"kit join {LINK}" in join.group(1)
+    assert f"kit join {LINK}" in join.group(1) and f"pip install {WHEEL}" in join.group(1)
