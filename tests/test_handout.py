@@ -8,8 +8,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import socket
-import time
 import urllib.request
 from pathlib import Path
 
@@ -21,29 +19,15 @@ from kit.coordinator import Coordinator, CoordinatorOptions
 from kit.demo import prepare
 from kit.dht import DHT
 from kit.volunteer import Volunteer, fetch_run_info, http_get
+from tests.test_coordinator import free_port, wait_for
 
 pytestmark = pytest.mark.sockets
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def get(url: str, headers: dict[str, str]) -> bytes:
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     with opener.open(urllib.request.Request(url, headers=headers), timeout=30) as answer:
         return bytes(answer.read())
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def organizer_dht(run_id: str) -> DHT:

@@ -19,14 +19,9 @@ from kit.coordinator import Coordinator, CoordinatorOptions
 from kit.demo import prepare
 from kit.errors import DataSourceNotFound, PreflightFailed
 from kit.preflight import CHECKS, run_preflight
+from tests.test_coordinator import free_port
 
 pytestmark = pytest.mark.sockets
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def options(root: Path, **changes: object) -> CoordinatorOptions:

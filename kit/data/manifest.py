@@ -14,8 +14,10 @@ exact types, hex digests. It doesn't build shards (``kit.data.serving``) nor dow
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import re
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from kit.errors import InvalidShard
@@ -108,6 +110,15 @@ class DataManifest:
                 name, tokenizer, int(vocab_size), tuple(_shard(item, label) for item in shards)
             )
         return cls(parsed)
+
+
+def file_sha256(path: Path) -> str:
+    """The hex SHA-256 of a file's bytes (read 1 MiB at a time)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        while chunk := file.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _is_count(value: Any, limit: int) -> bool:

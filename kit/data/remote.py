@@ -17,8 +17,6 @@ It doesn't serve anything (``kit.data.serving``) nor parse shard contents (``kit
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -36,15 +34,13 @@ from kit.errors import (
     CoordinatorUnreachable,
     DataSourceNotFound,
     DataSourceUnreachable,
-    EmptySource,
     InvalidShard,
     ShardDigestMismatch,
 )
 from kit.http_client import http_request
 
-from .manifest import DataManifest, ShardEntry, SourceShards
-from .shards import SUFFIX, read_shard
-from .sources import SourceCounts, derive_seed
+from .manifest import DataManifest, ShardEntry, SourceShards, file_sha256
+from .shards import SUFFIX, ShardSource, read_shard
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +107,7 @@ def download_shard(
                 raise CoordinatorUnreachable(f"{url} sent {len(body)} bytes for a range")
             file.write(body)
             have += len(body)
-    if _sha256(partial) != entry.sha256:
+    if file_sha256(partial) != entry.sha256:
         partial.unlink()
         raise ShardDigestMismatch(
             f"shard {entry.sha256[:12]} arrived with other bytes than the manifest publishes - "
@@ -119,14 +115,6 @@ def download_shard(
         )
     os.replace(partial, target)
     return target
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as file:
-        while chunk := file.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 class ServedData:
@@ -213,8 +201,12 @@ class ServedData:
         return target
 
 
-class ServedShardSource:
+class ServedShardSource(ShardSource):
     """A pipeline source over one served source, in this peer's shard order; resumable.
+
+    A :class:`~kit.data.shards.ShardSource` whose shards are fetched from the coordinator
+    first; a shard whose digest is wrong is put at the end of the pass (tried once more there)
+    and the next position is read meanwhile.
 
     Args:
         shards: the source's entry of the manifest.
@@ -235,35 +227,39 @@ class ServedShardSource:
         unreachable_timeout: float = UNREACHABLE_TIMEOUT,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        self.name = shards.name
-        self.probability = probability
-        self._shards = shards
+        super().__init__(
+            shards.name,
+            [shard.sha256 for shard in shards.shards],
+            probability=probability,
+            seed=seed,
+            vocab_size=shards.vocab_size,
+            tokenizer=shards.tokenizer,
+        )
+        self._entries = shards.shards
         self._data = data
-        self._seed = seed
         self._unreachable_timeout = unreachable_timeout
         self._sleep = sleep
-        self._epoch = 0
-        self._position = 0  # index into this pass's queue
-        self._document = 0  # documents already read from the current shard
-        self._deferred: list[int] = []  # shards that failed their digest in this pass, retried last
-        self._reader: Iterator[np.ndarray] | None = None
-        self._counts = SourceCounts(shards.name)
-        self._used_this_epoch = 0
+        self._deferred: list[int] = []  # shards that failed their digest in this pass
         self.digest_failures = 0  # shards thrown away for a wrong digest (diagnostics)
 
-    def _queue(self) -> list[int]:
-        rng = np.random.default_rng([derive_seed(self._seed, "served-order"), self._epoch])
-        return [int(i) for i in rng.permutation(len(self._shards.shards))] + self._deferred
+    def _order(self) -> list[int]:
+        return super()._order() + self._deferred
+
+    def _pass_length(self) -> int:
+        return len(self._entries) + len(self._deferred)
 
     def _open(self, index: int) -> Iterator[np.ndarray]:
-        entry = self._shards.shards[index]
-        path = self._fetch(entry)
-        reader = read_shard(
-            path, vocab_size=self._shards.vocab_size, tokenizer=self._shards.tokenizer
-        )
-        for _ in range(self._document):  # resume: skip what was read before the restart
-            next(reader, None)
-        return reader
+        try:
+            path = self._fetch(self._entries[index])
+        except ShardDigestMismatch as error:  # read another position first; this one again last
+            self.digest_failures += 1
+            if index in self._deferred:
+                logger.warning("%s again; leaving it out of this pass", error)
+            else:
+                self._deferred.append(index)
+                logger.warning("%s; reading another shard first", error)
+            return iter(())
+        return read_shard(path, vocab_size=self._vocab_size, tokenizer=self._tokenizer)
 
     def _fetch(self, entry: ShardEntry) -> Path:
         """Download, waiting (bounded) through a coordinator that does not answer."""
@@ -282,83 +278,14 @@ class ServedShardSource:
                 self._sleep(pause)
                 pause = min(pause * 2, 30.0)
 
-    def next_document(self) -> np.ndarray | None:
-        """The next non-empty document, or None at the end of this pass."""
-        while True:
-            queue = self._queue()
-            if self._position >= len(queue):
-                break
-            if self._reader is None:
-                try:
-                    self._reader = self._open(queue[self._position])
-                except ShardDigestMismatch as error:
-                    self._skip_failed(queue[self._position], error)
-                    continue
-            ids = next(self._reader, None)
-            if ids is None:
-                self._position += 1
-                self._document = 0
-                self._reader = None
-                continue
-            self._document += 1
-            used = 1 if len(ids) else 0
-            counts = self._counts
-            self._counts = dataclasses.replace(
-                counts, read=counts.read + 1, used=counts.used + used, empty=counts.empty + 1 - used
-            )
-            if used:
-                self._used_this_epoch += 1
-                return ids
-        self._counts = dataclasses.replace(
-            self._counts, epochs_completed=self._counts.epochs_completed + 1
-        )
-        if self._used_this_epoch == 0:
-            raise EmptySource(
-                f"source {self.name!r}: no served shard could be read in a full pass - help: "
-                "check your connection; tell the organizer if it recurs"
-            )
-        return None
-
-    def _skip_failed(self, index: int, error: Exception) -> None:
-        """Move on to the next position; the failed shard is tried once more at the end."""
-        self.digest_failures += 1
-        if index not in self._deferred:
-            self._deferred.append(index)
-            logger.warning("%s; reading another shard first", error)
-        else:
-            logger.warning("%s again; leaving it out of this pass", error)
-        self._position += 1
-        self._document = 0
-
     def start_next_epoch(self) -> None:
-        """Begin another pass, in a new shard order."""
-        self._epoch += 1
-        self._position = 0
-        self._document = 0
+        super().start_next_epoch()
         self._deferred = []
-        self._reader = None
-        self._used_this_epoch = 0
-
-    def counts(self) -> SourceCounts:
-        return self._counts
 
     def state_dict(self) -> dict[str, Any]:
-        """Epoch, position, document, deferred shards and the counters (JSON-serializable)."""
-        return {
-            "epoch": self._epoch,
-            "position": self._position,
-            "document": self._document,
-            "deferred": list(self._deferred),
-            "used_this_epoch": self._used_this_epoch,
-            "counts": dataclasses.asdict(self._counts),
-        }
+        """The position (:class:`ShardSource`'s) and the shards deferred in this pass."""
+        return {**super().state_dict(), "deferred": list(self._deferred)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue after the saved position (the shard is re-opened lazily)."""
-        self._epoch = int(state["epoch"])
-        self._position = int(state["position"])
-        self._document = int(state["document"])
+        super().load_state_dict(state)
         self._deferred = [int(index) for index in state["deferred"]]
-        self._used_this_epoch = int(state["used_this_epoch"])
-        self._counts = SourceCounts(**state["counts"])
-        self._reader = None

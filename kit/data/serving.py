@@ -37,7 +37,14 @@ from kit.config import DataConfig, SourceConfig
 from kit.errors import DataSourceNotFound
 from kit.p2p.peer import HttpRequest, HttpResponse
 
-from .manifest import MANIFEST_PATH, SHARD_PATH, DataManifest, ShardEntry, SourceShards
+from .manifest import (
+    MANIFEST_PATH,
+    SHARD_PATH,
+    DataManifest,
+    ShardEntry,
+    SourceShards,
+    file_sha256,
+)
 from .shards import SUFFIX, ShardWriter, read_shard
 from .sources import TextSource
 from .tokenizer import tokenizer_fingerprint
@@ -102,14 +109,6 @@ def _cache_key(source: SourceConfig, data: DataConfig, files: list[str], fingerp
 def _folder_name(name: str) -> str:
     safe = re.sub(r"[^A-Za-z0-9._-]", "_", name)[:40]
     return f"{safe}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as file:
-        while chunk := file.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _tokenized(source: SourceConfig, data: DataConfig, tokenizer: Tokenizer) -> Iterator[list[int]]:

@@ -374,19 +374,29 @@ class ShardSource:
         self._used_this_epoch = 0
 
     def _order(self) -> list[int]:
+        """This pass's shard indices, in this peer's order."""
         rng = np.random.default_rng([derive_seed(self._seed, "shard-order"), self._epoch])
         return [int(i) for i in rng.permutation(len(self._locations))]
 
+    def _pass_length(self) -> int:
+        """Positions in this pass (a subclass may add shards to retry at its end)."""
+        return len(self._locations)
+
+    def _open(self, index: int) -> Iterator[np.ndarray]:
+        """The documents of shard ``index`` (a subclass may fetch the shard first)."""
+        return read_shard(
+            self._locations[index], vocab_size=self._vocab_size, tokenizer=self._tokenizer
+        )
+
     def _open_current(self) -> Iterator[np.ndarray]:
-        location = self._locations[self._order()[self._shard]]
-        reader = read_shard(location, vocab_size=self._vocab_size, tokenizer=self._tokenizer)
+        reader = self._open(self._order()[self._shard])
         for _ in range(self._document):  # resume: skip what was read before the restart
             next(reader, None)
         return reader
 
     def next_document(self) -> np.ndarray | None:
         """The next non-empty document, or None at the end of this pass."""
-        while self._shard < len(self._locations):
+        while self._shard < self._pass_length():
             if self._reader is None:
                 self._reader = self._open_current()
             ids = next(self._reader, None)

@@ -86,7 +86,7 @@ async def test_page_and_json_api_over_http() -> None:
         nonce = re.search(r"script-src 'nonce-([^']+)'", headers["Content-Security-Policy"])
         assert nonce is not None and f'<script nonce="{nonce.group(1)}">' in page
         assert "connect-src 'self'" in headers["Content-Security-Policy"]
-        assert 'id="loss-curve"' in page and 'id="leaderboard"' in page
+        assert 'id="loss-chart"' in page and 'id="leaderboard"' in page
         assert "http://" not in page and "https://" not in page  # no CDN, no external fetch
         second = await asyncio.to_thread(get, base + "/")
         assert second[1]["Content-Security-Policy"] != headers["Content-Security-Policy"]
