@@ -181,23 +181,13 @@ class Coordinator:
 
     def _check_as_a_volunteer(self) -> None:
         """``kit preflight`` against ourselves, on loopback (raises PreflightFailed)."""
-        import ssl
-
-        from kit.preflight import run_preflight
+        from kit.preflight import check_own_port
 
         secure = self.options.tls_certfile is not None
-        host = self.options.host if self.options.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
-        host = f"[{host}]" if ":" in host else host
-        context = None
-        if secure:  # our own certificate, reached by an address it may not name
-            context = ssl.create_default_context()
-            context.check_hostname = False
-            context.verify_mode = ssl.CERT_NONE
-        url = f"{'https' if secure else 'http'}://{host}:{self._listen_port}"
-        self.preflight = report = run_preflight(url, ssl_context=context)
-        for line in report.text().splitlines():
+        self.preflight = check_own_port(self.options.host, self._listen_port or 0, secure=secure)
+        for line in self.preflight.text().splitlines():
             logger.info("preflight: %s", line)
-        report.raise_if_failed()
+        self.preflight.raise_if_failed()
 
     def _load_authority(self, peer_identity: Any) -> Any:
         published = self.config.access.authority_public_key
@@ -460,7 +450,15 @@ def add_command(subparsers: Any) -> None:
     parser.add_argument("--tls-cert", default=None, help="serve wss:// with this certificate")
     parser.add_argument("--tls-key", default=None, help="... and this private key")
     parser.add_argument("--state-dir", default="coordinator", help="keys, leaderboard, checkpoints")
-    parser.add_argument("--tokenizer-dir", default=None, help="tokenizer folder to serve")
+    parser.add_argument(
+        "--tokenizer-dir", default=None, help="tokenizer folder to serve (default: tokenizer.output_dir)"
+    )
+    parser.add_argument(
+        "--shard-tokens",
+        type=int,
+        default=CoordinatorOptions.shard_tokens,
+        help="token ids per served data shard (lower it for a small corpus)",
+    )
     parser.add_argument("--no-auxiliary", action="store_true", help="no auxiliary peer here")
     parser.add_argument(
         "--create-authority",
@@ -488,11 +486,15 @@ def _coordinator_command(args: Any) -> int:
             state_dir=args.state_dir,
             tokenizer_dir=args.tokenizer_dir,
             auxiliary_peer=not args.no_auxiliary,
+            shard_tokens=args.shard_tokens,
         )
         coordinator = Coordinator(config, options)
         coordinator.start()
     except KitError as error:
-        logger.error("%s", error)
+        problems = getattr(error, "problems", ())  # the start-up check's, one line each
+        logger.error("%s", "not started: a remote volunteer could not train" if problems else error)
+        for problem in problems:
+            logger.error("  %s", problem)
         return 1
     print(f"join link: {coordinator.join_url}", flush=True)
     print(f"dashboard: {coordinator.dashboard_url}", flush=True)

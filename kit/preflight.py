@@ -217,6 +217,22 @@ def run_preflight(
     return PreflightReport(str(found["info"].url if "info" in found else address), tuple(checks))
 
 
+def check_own_port(host: str, port: int, *, secure: bool = False) -> PreflightReport:
+    """:func:`run_preflight` against a coordinator listening on ``host:port`` of this machine.
+
+    A wildcard ``host`` is reached on loopback; with TLS, the certificate is not checked (it is
+    our own, reached by an address it may not name).
+    """
+    host = host if host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+    host = f"[{host}]" if ":" in host else host
+    context = None
+    if secure:
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return run_preflight(f"{'https' if secure else 'http'}://{host}:{port}", ssl_context=context)
+
+
 def add_command(subparsers: Any) -> None:
     """``kit preflight URL``: check that a remote volunteer could train in a run."""
     parser = subparsers.add_parser(

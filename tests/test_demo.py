@@ -139,7 +139,8 @@ def test_kit_demo_trains_and_a_remote_volunteer_can_join_it(tmp_path: Path) -> N
     assert int(steps) >= 3 and int(volunteers) == 4  # its 3 and the headless one
     assert float(end) < float(start)
     # Every volunteer left by itself at the end of its time, and the coordinator kept a checkpoint.
-    assert list((work / "coordinator" / "checkpoints").glob("step_*/kit_checkpoint.json"))
+    saved = list((work / "coordinator" / "checkpoints").glob("step_*/kit_checkpoint.json"))
+    assert saved, stdout[-1000:] + stderr[-4000:]
     # Its volunteers got data and tokenizer as remote ones do: their folders hold their own
     # key, caches and log, nothing of the organizer's.
     for index in range(3):
