@@ -40,6 +40,8 @@ DISTRIBUTION = "kit-collab"
 PROJECT_FILES = ("setup.cfg", "pyproject.toml", "README.md")
 #: Seconds ``pip wheel`` may take (it takes ~1-3 s offline).
 BUILD_TIMEOUT = 300.0
+#: Wheels this process built, by source digest: another coordinator here copies instead.
+_BUILT: dict[str, Path] = {}
 
 
 def wheel_name(version: str = kit.__version__) -> str:
@@ -81,9 +83,15 @@ def kit_wheel(cache_dir: str | os.PathLike[str]) -> Path:
     root = source_root()
     if root is None:
         return _repacked_wheel(Path(cache_dir))
-    folder = Path(cache_dir) / f"{kit.__version__}-{source_digest(root)[:16]}"
+    digest = source_digest(root)
+    folder = Path(cache_dir) / f"{kit.__version__}-{digest[:16]}"
     target = folder / wheel_name()
     if target.is_file():
+        return target
+    earlier = _BUILT.get(digest)
+    if earlier is not None and earlier.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(earlier, target)
         return target
     with tempfile.TemporaryDirectory(prefix="kit-wheel-") as scratch:
         copy = Path(scratch) / "src"
@@ -105,6 +113,7 @@ def kit_wheel(cache_dir: str | os.PathLike[str]) -> Path:
         partial = target.with_suffix(".partial")
         shutil.copy2(built_wheel, partial)
         os.replace(partial, target)
+    _BUILT[digest] = target
     logger.info("built %s for volunteers", target)
     return target
 

@@ -33,7 +33,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return kit_wheel(tmp_path_factory.mktemp("cache"))
 
 
-def test_the_wheel_is_this_kit_and_is_cached(built: Path) -> None:
+def test_the_wheel_is_this_kit_and_is_cached(built: Path, tmp_path: Path) -> None:
     assert built.name == wheel_name() == f"kit_collab-{kit.__version__}-py3-none-any.whl"
     inside = names(built)
     assert "kit/__init__.py" in inside and "kit/dashboard/page.html" in inside
@@ -44,6 +44,8 @@ def test_the_wheel_is_this_kit_and_is_cached(built: Path) -> None:
     assert kit_wheel(built.parent.parent) == built and built.stat().st_mtime_ns == stamp
     root = source_root()
     assert root is not None and not (root / "build").exists()  # built on a copy
+    elsewhere = kit_wheel(tmp_path / "another-state-dir")  # another coordinator here: a copy
+    assert elsewhere != built and elsewhere.read_bytes() == built.read_bytes()
 
 
 def test_an_installed_kit_without_sources_packs_itself_again(built: Path, tmp_path: Path) -> None:
