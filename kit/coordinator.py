@@ -3,7 +3,9 @@
 One process that runs everything a collaboration needs besides the volunteers (DeDLOC's
 sahajBERT ran these as five separate scripts): a public bootstrap DHT peer that also relays for
 volunteers behind NAT, the token endpoint of allowlisted runs (``kit.auth``), the run info and
-tokenizer that volunteers fetch when they join, the metrics collector and its dashboard
+what volunteers fetch when they join (``kit.handout``: tokenizer, the organizer's files as token
+shards, the wheel of this kit, the join notebook), a start-up check that a remote volunteer could
+train (``kit.preflight``; it refuses to start otherwise), the metrics collector and its dashboard
 (``kit.metrics``, ``kit.dashboard``), an auxiliary averaging peer, and periodic checkpoints pushed
 to the Hub (``kit.training.checkpoints``). It survives its own restart: volunteers keep training
 through the DHT meanwhile; it reloads its identity, the leaderboard and the newest checkpoint,
@@ -29,11 +31,9 @@ from kit.config import RunConfig
 from kit.dht.node import get_dht_time
 from kit.errors import ConfigError, KitError, KitUsageError
 from kit.p2p.identity import b58decode, b58encode, load_identity
-from kit.remote_run import RUN_INFO_PATH, TOKENIZER_PATH
+from kit.remote_run import RUN_INFO_PATH
 
 logger = logging.getLogger(__name__)
-
-__all__ = ["RUN_INFO_PATH", "TOKENIZER_PATH", "Coordinator", "CoordinatorOptions"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -410,10 +410,7 @@ class Coordinator:
         return self.http_url + "/"
 
     def run_info(self, base: str | None = None) -> dict[str, Any]:
-        """What ``GET /api/run`` answers: everything a volunteer needs to join.
-
-        ``base`` is ``scheme://host`` as the volunteer reached us (absolute URLs use it).
-        """
+        """``GET /api/run``: all a volunteer needs to join (``base``: ``scheme://host`` it used)."""
         authority = self.config.access.authority_public_key
         return {
             "run_id": self.config.collaboration.run_id,
