@@ -107,7 +107,7 @@ def check_as_a_remote_volunteer(url: str, tmp_path: Path) -> None:
 
 def test_kit_demo_trains_and_a_remote_volunteer_can_join_it(tmp_path: Path) -> None:
     work = tmp_path / "demo"
-    command = [sys.executable, "-m", "kit", "demo", "--duration", "45", "--work-dir", str(work)]
+    command = [sys.executable, "-m", "kit", "demo", "--duration", "60", "--work-dir", str(work)]
     errors = (tmp_path / "stderr.txt").open("w")  # a file: a full pipe would stall the demo
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors, text=True)
     try:
