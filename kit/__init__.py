@@ -47,6 +47,7 @@ _EXPORTS = {
     "CoordinatorOptions": "kit.coordinator",
     "RunConfig": "kit.config",
     "DHT": "kit.dht",
+    "PeerID": "kit.p2p.identity",
     "get_dht_time": "kit.dht",
     "Optimizer": "kit.optim",
     "DecentralizedAverager": "kit.averaging.averager",
@@ -58,13 +59,18 @@ _EXPORTS = {
     "BlockwiseQuantization": "kit.averaging.compression",
     "SizeAdaptiveCompression": "kit.averaging.compression",
 }
+# hivemind's subpackages, reachable as attributes right after ``import kit as hivemind``
+# (``hivemind.optim.Optimizer``, ``hivemind.utils.get_dht_time``), imported on first use.
+_SUBMODULES = frozenset({"averaging", "compression", "dht", "optim", "p2p", "utils"})
 
 
 def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        import importlib
+    import importlib
 
+    if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
+    if name in _SUBMODULES:
+        return importlib.import_module(f"kit.{name}")
     raise AttributeError(f"module 'kit' has no attribute {name!r}")
 
 

@@ -46,7 +46,8 @@ Two questions decide how a caller should react to a failure, and the tree answer
     └── TransientError               a retry may help; retry loops catch only this
         ├── KitTimeout               a wait ran out of time (also a builtin TimeoutError)
         ├── PeerUnavailable, TokenExpired   (see above; they inherit from both)
-        └── ...                      matchmaking / all-reduce failures (kit.averaging)
+        ├── AveragingFailed          a step found no group, or its rounds failed (kit.averaging)
+        └── ...                      state downloads (kit.optim)
 
 User-facing messages end with ``help:`` and the fix, so that a volunteer in a notebook can act
 on a single line.
@@ -399,6 +400,13 @@ class TokenServiceUnavailable(AuthError, TransientError):
 
 
 # --- averaging: matchmaking and all-reduce ------------------------------------------------------
+
+
+class AveragingFailed(TransientError):
+    """An averaging step found no group before its deadline, or every round it tried failed.
+
+    Nothing was averaged: the tensors are as they were (hivemind's ``AllreduceException``).
+    """
 
 
 class GroupMismatch(RemoteProtocolError):

@@ -14,11 +14,17 @@ the aggregator then keeps every sender's part and sends the averages once the pa
 ``kit.averaging.robust``). A client-mode peer dials aggregators (through a
 relay if need be) and aggregates nothing; an auxiliary peer aggregates and sends nothing.
 
-Stream ``kit/averaging/allreduce/1`` (sender -> aggregator, both ways on one stream)::
+Stream ``kit/averaging/allreduce/2`` (sender -> aggregator, both ways on one stream)::
 
     sender:     {prefix, group_id, group_hash, part}   then per chunk: {chunk, tensor header} payload
-    aggregator: per chunk: {chunk, peers (bit i = member i is in this average), tensor header}
-                payload (none when peers = 0)
+    aggregator: per chunk: {chunk, peers (bit i = member i is in this average), delta, tensor
+                header} payload (none when peers = 0)
+
+With a lossless codec every sender gets the average itself, the same bytes for all (so a full
+round leaves every member bit-identical). With a lossy one (fp16, 8-bit) each sender gets
+``delta``: the compressed difference between the average and what it sent, which it adds to its
+own exact values, as hivemind does: its result then carries one rounding of a small difference
+instead of a second rounding of the whole average (hivemind's fp16 test bound, 1e-5 MSE, holds).
 
 What is honest here: a sender that stops is excluded from the chunks it had not delivered (the
 others' weights renormalised, ``PartReducer``); a part whose aggregator fails before its last
@@ -31,6 +37,7 @@ the ``RoundReport`` lists, per chunk, exactly whom it was averaged over.
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 from collections.abc import Awaitable, Iterable, Sequence
 from dataclasses import dataclass
@@ -38,6 +45,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from kit.averaging.averages import OutgoingAverages
 from kit.averaging.chunk_stream import (
     PROTOCOL,
     RoundBuffers,
@@ -71,6 +79,14 @@ from kit.p2p.identity import PeerID
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+class AveragingMode(enum.Enum):
+    """A member's role in a round (hivemind's names and values)."""
+
+    NODE = 0  # sends its vector and aggregates a part
+    CLIENT = 1  # accepts no connections: sends its vector, aggregates nothing
+    AUX = 2  # aggregates a part, sends no vector of its own (weight 0)
 
 
 @dataclass(frozen=True)
@@ -117,8 +133,11 @@ class AllReduceRunner:
                 accumulator = buffers.accumulator_for(plan.part_sizes[me])
                 self.reducer = PartReducer(plan, me, senders, group.group_id, accumulator)
         self.sender_bits = {group.peers[i]: 1 << i for i in group.senders}
-        n_chunks = len(plan.parts[me])
-        self._averaged: list[tuple[bytes, memoryview | None] | None] = [None] * n_chunks
+        self._averages = (  # what each sender's stream gets for each chunk of our part
+            None
+            if self.reducer is None
+            else OutgoingAverages(plan, self.reducer, compression, self.sender_bits)
+        )
         self._ready = 0  # chunks 0.._ready-1 of our part are averaged and encoded
         self._progress = asyncio.Event()
         self._connected: set[PeerID] = set()  # senders that opened a stream (or were excluded)
@@ -324,8 +343,11 @@ class AllReduceRunner:
         target = self.staging[spec.tensor_index][
             spec.tensor_offset : spec.tensor_offset + spec.size
         ]
+        delta = header.get("delta", False)
+        if not isinstance(delta, bool):
+            raise RemoteProtocolError(f"chunk {spec.chunk_index}: delta must be true or false")
         codec_header = tensor_header(header, spec, payload_bound(spec, dtype.itemsize))
-        if is_raw(codec_header, spec, dtype):
+        if not delta and is_raw(codec_header, spec, dtype):
             await receive_into(stream, target.view(torch.uint8).numpy().data, timeout)
             self.bytes_received += codec_header["nbytes"]
             if not is_finite(target):
@@ -339,7 +361,12 @@ class AllReduceRunner:
             values = decode_chunk(codec_header, view, spec, dtype)
         finally:
             self.buffers.give_back(buffer)
-        target.copy_(values)
+        if delta:  # our exact values plus the compressed difference to the average
+            torch.add(self.plan.chunk_view(self.tensors, spec), values, out=target)
+            if not is_finite(target):
+                raise InvalidTensor(f"the average of chunk {spec.chunk_index} holds NaN or inf")
+        else:
+            target.copy_(values)
 
     # --- aggregator side -----------------------------------------------------------------------
 
@@ -350,6 +377,9 @@ class AllReduceRunner:
         assert reducer is not None
         me = self.group.peers[self.me]
         gid = self.group.group_id
+        # Chunks nobody sends (every member auxiliary) are complete already: with no sender to
+        # wait for, the round must not wait at all (allreduce_timeout may be None).
+        self._completed([c for c in range(len(reducer.chunks)) if reducer.is_complete(c)])
         if self.sends:
             for spec, view in self.plan.iter_part(self.tensors, self.me):
                 try:
@@ -360,7 +390,7 @@ class AllReduceRunner:
                 self._completed(completed)
                 if spec.chunk_index % 16 == 15:
                     await asyncio.sleep(0)  # let streams in while our own part is summed
-        while self._ready < len(self._averaged):
+        while self._ready < self._part_chunks:
             try:
                 await self._wait_progress(self._ready, self._remaining(self.timeouts.sender))
             except asyncio.TimeoutError:
@@ -386,12 +416,13 @@ class AllReduceRunner:
         if isinstance(reducer, ClippedPartReducer) and not reducer.computed:
             self._spawn(self._clip_then_complete(reducer, chunks))
             return
+        assert self._averages is not None
         for chunk in chunks:
-            self._averaged[chunk] = self._encode_average(chunk)
+            self._averages.complete(chunk)
         self._advance()
         if self._ready >= 1:
             self._mark("own_first_averaged")
-        if self._ready == len(self._averaged):
+        if self._ready == self._part_chunks:
             self._mark("own_all_averaged")
 
     async def _clip_then_complete(self, reducer: ClippedPartReducer, chunks: Sequence[int]) -> None:
@@ -401,14 +432,20 @@ class AllReduceRunner:
             await asyncio.to_thread(reducer.compute)
         except NothingToAggregate as e:  # nobody gets this part: it stays local everywhere
             logger.warning("part %d not averaged: %s", self.me, e)
+            assert self._averages is not None
             for chunk in chunks:
-                self._averaged[chunk] = wire.packb({"chunk": chunk, "peers": 0}), None
+                self._averages.nobody(chunk)
             self._advance()
             return
         self._completed(chunks)
 
+    @property
+    def _part_chunks(self) -> int:
+        return 0 if self._averages is None else len(self._averages)
+
     def _advance(self) -> None:
-        while self._ready < len(self._averaged) and self._averaged[self._ready] is not None:
+        averages = self._averages
+        while averages is not None and self._ready < len(averages) and averages.done(self._ready):
             self._ready += 1
         progress, self._progress = self._progress, asyncio.Event()
         progress.set()  # wakes every waiter of this generation; later waiters get the new event
@@ -417,24 +454,6 @@ class AllReduceRunner:
         """Wait until more than ``ready`` chunks are averaged (asyncio.TimeoutError after timeout)."""
         while self._ready <= ready:
             await asyncio.wait_for(self._progress.wait(), timeout)
-
-    def _encode_average(self, chunk: int) -> tuple[bytes, memoryview | None]:
-        assert self.reducer is not None
-        spec = self.reducer.chunks[chunk]
-        averaged = self.reducer.averaged(chunk)
-        mask = 0
-        for sender in self.reducer.delivered[chunk]:
-            mask |= self.sender_bits[sender]  # type: ignore[index]
-        if averaged is None:
-            return wire.packb({"chunk": chunk, "peers": 0}), None
-        dtype = self.plan.tensors[spec.tensor_index].dtype
-        values = averaged if dtype == torch.float32 else averaged.to(dtype)
-        try:
-            serialized = self.compression.compress(values, self.plan.compression_info(spec))
-        except NonFiniteLocalTensor:  # the weighted sum overflowed: nobody gets this chunk
-            return wire.packb({"chunk": chunk, "peers": 0}), None
-        header = wire.packb({"chunk": chunk, "peers": mask, **serialized.header()})
-        return header, memoryview(serialized.buffer).cast("B")
 
     async def serve(self, stream: StreamAPI, header: dict[str, Any]) -> None:
         """Serve one sender's stream (its header already read by the averager's router).
@@ -461,7 +480,7 @@ class AllReduceRunner:
     async def _serve_sender(self, stream: StreamAPI, sender: PeerID) -> None:
         reducer = self.reducer
         assert reducer is not None
-        writing = self._spawn(self._write_averages(stream))
+        writing = self._spawn(self._write_averages(stream, sender))
         self._writers.add(writing)
         writing.add_done_callback(self._writers.discard)
         try:
@@ -509,8 +528,9 @@ class AllReduceRunner:
         reducer = self.reducer
         assert reducer is not None
         gid, dtype = self.group.group_id, self.plan.tensors[spec.tensor_index].dtype
+        raw = is_raw(header, spec, dtype)
         try:
-            if is_raw(header, spec, dtype):
+            if raw:
                 values = torch.frombuffer(buffer, dtype=dtype, count=spec.size)
             else:
                 payload = memoryview(buffer)[: header["nbytes"]]
@@ -519,23 +539,26 @@ class AllReduceRunner:
             logger.info("chunk %d from %s rejected: %s", chunk, sender.short(), e)
             return reducer.reject(sender, gid, self.me, chunk)
         try:
-            return reducer.accept(sender, gid, self.me, chunk, values)
+            completed = reducer.accept(sender, gid, self.me, chunk, values)
+            if self._averages is not None and self._averages.lossy[chunk]:  # for its delta
+                sent = values.clone() if raw else (header, bytes(buffer[: header["nbytes"]]))
+                self._averages.keep_sent(sender, chunk, sent)
+            return completed
         except InvalidChunk as e:
             if e.reason not in ("size", "dtype", "non_finite"):
                 raise  # out of order, or not a sender: the stream is broken
             logger.info("chunk from %s rejected: %s", sender.short(), e.message)
             return e.completed
 
-    async def _write_averages(self, stream: StreamAPI) -> None:
-        for chunk in range(len(self._averaged)):
+    async def _write_averages(self, stream: StreamAPI, sender: PeerID) -> None:
+        assert self._averages is not None
+        for chunk in range(len(self._averages)):
             if chunk >= self._ready:
                 try:
                     await self._wait_progress(chunk, self._remaining(self.timeouts.reducer))
                 except asyncio.TimeoutError:
                     raise KitTimeout(f"no average of chunk {chunk} in time") from None
-            average = self._averaged[chunk]
-            assert average is not None
-            header, payload = average
+            header, payload = self._averages.for_sender(sender, chunk)
             timeout = self._remaining(self.timeouts.sender)
             await stream.send_message(header, timeout=timeout)
             if payload is not None:

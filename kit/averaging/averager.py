@@ -1,28 +1,28 @@
 """``DecentralizedAverager``: average tensors with whichever peers are ready (hivemind's API).
 
-Holds the round result (``RoundResult``), the averager on the event loop (``AsyncAverager``:
-matchmaking, then one all-reduce under the tensors' lock) and its blocking facade
-``DecentralizedAverager`` for training scripts and notebooks. The settings are in ``settings``;
-the protocols in ``matchmaking`` / ``matchmaking_driver`` (who averages with whom) and
-``allreduce`` (how).
+The blocking facade for training scripts and notebooks over ``AsyncAverager``
+(``kit.averaging.async_averager``, re-exported here with ``RoundResult``), which runs on the
+DHT's event loop (kit's one runtime loop). Steps are controlled through ``StepControl``
+(``kit.averaging.control``); state sharing is ``kit.averaging.state_sharing``.
 
 Example::
 
     dht = kit.dht.DHT(initial_peers=[...])
     averager = DecentralizedAverager([model_weights], dht, prefix="my_run_params",
                                      target_group_size=16, min_matchmaking_time=5)
-    result = averager.step(weight=samples_since_last_round, timeout=30)
-    if result is not None and not result.is_full:
+    result = averager.step(weight=samples_since_last_round, timeout=30)  # AveragingFailed: none
+    if not result.is_full:
         print("averaged over", result.report)          # exactly which parts, over whom
     with averager.get_tensors() as tensors:             # the tensors, locked against rounds
         ...
+    control = averager.step(wait=False, require_trigger=True)  # find a group now...
+    control.allow_allreduce()                                  # ...average when ready
     averager.shutdown()
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -34,345 +34,24 @@ from typing import Any, TypeVar
 
 import torch
 
-from kit.averaging.allreduce import AllReduceRunner, Timeouts, cancel_and_wait
-from kit.averaging.chunk_stream import RoundBuffers
-from kit.averaging.compression import (
-    DTYPE_NAMES,
-    CompressionBase,
-    NoCompression,
-    TensorDescriptor,
-)
-from kit.averaging.group import GroupInfo, schema_hash
-from kit.averaging.matchmaking import MemberInfo, Phase
-from kit.averaging.matchmaking_driver import AveragingRouter, MatchmakingDriver
-from kit.averaging.partition import PartitionPlan, RoundReport
-from kit.averaging.settings import AveragerSettings, check_tensors, chunk_elements
-from kit.dht.node import DHTNode, get_dht_time
-from kit.errors import (
-    ConfigError,
-    GroupMismatch,
-    KitTimeout,
-    KitUsageError,
-    RemoteProtocolError,
-)
-from kit.p2p.api import StreamAPI
+from kit.averaging.allreduce import AveragingMode
+from kit.averaging.async_averager import AsyncAverager, RoundResult
+from kit.averaging.compression import CompressionBase, NoCompression
+from kit.averaging.control import StepControl
+from kit.averaging.matchmaking import Phase
+from kit.averaging.settings import AveragerSettings, check_tensors
+from kit.averaging.state_sharing import CurrentState, load_state
+from kit.dht.node import DHTNode
+from kit.errors import AveragingFailed, ConfigError, KitTimeout, KitUsageError
 from kit.p2p.identity import PeerID
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-BANDWIDTH_EMA_ALPHA = 0.3  # weight of the newest round in the measured bandwidth
-MIN_MEASURED_BYTES = 2**20  # smaller rounds are latency-bound: they say nothing of bandwidth
-MAX_WAITING_STREAMS = 64  # all-reduce streams that arrived before their round started here
-IGNORED_HIVEMIND_OPTIONS = frozenset({"daemon", "shutdown_timeout", "declare_state_period"})
-UNSUPPORTED_HIVEMIND_OPTIONS = frozenset(
-    {"averaging_alpha", "state_compression", "tensor_infos", "allow_state_sharing"}
-)
-STAT_KEYS = (  # statistics() counters
-    "full_rounds",  # every part averaged over every sender
-    "partial_rounds",  # some parts or chunks averaged over fewer peers, or left local (reported)
-    "aborted_rounds",  # the group disagreed: nothing written
-    "no_group",  # no group formed before the step's timeout
-    "bytes_sent",
-    "bytes_received",
-)
-RECENT_ROUNDS = 32  # finished round ids remembered, to refuse their late streams at once
+IGNORED_HIVEMIND_OPTIONS = frozenset({"daemon", "shutdown_timeout"})
+UNSUPPORTED_HIVEMIND_OPTIONS = frozenset({"tensor_infos"})
 
-
-@dataclasses.dataclass(frozen=True)
-class RoundResult:
-    """What one ``step`` achieved. Iterating or ``len`` gives the group, as hivemind's dict does."""
-
-    group_id: bytes  # the round's number, random per group
-    peers: tuple[PeerID, ...]  # the group, in order (peer i aggregated part i)
-    report: RoundReport  # per part and chunk: the peers it was averaged over (empty: kept local)
-    plan: PartitionPlan  # where each part's chunks are in the tensors (report.parts[i] ~ plan.parts[i])
-    matchmaking_time: float  # seconds until the group was known
-    allreduce_time: float  # seconds of the all-reduce
-
-    @property
-    def is_full(self) -> bool:
-        """Every part was averaged over every sender: the exact (weighted) average."""
-        return self.report.is_full
-
-    @property
-    def unaveraged_parts(self) -> tuple[int, ...]:
-        """Parts left at this peer's own values (their aggregator failed, or the deadline)."""
-        return tuple(
-            p.part_index for p in self.report.parts if p.chunk_peers and not any(p.chunk_peers)
-        )
-
-    def __len__(self) -> int:
-        return len(self.peers)
-
-    def __iter__(self) -> Iterator[PeerID]:
-        return iter(self.peers)
-
-
-class AsyncAverager:
-    """The averager on the event loop (kit's runtime loop, or a test's). Use ``create``."""
-
-    def __init__(
-        self,
-        tensors: Sequence[torch.Tensor],
-        node: DHTNode,
-        settings: AveragerSettings,
-        lock: threading.Lock | None = None,
-    ) -> None:
-        self.tensors = check_tensors(tensors)
-        self.node, self.peer, self.settings = node, node.peer, settings
-        self.lock = lock or threading.Lock()  # held by a round and by get_tensors()
-        self.client_mode = (
-            self.peer.client_mode if settings.client_mode is None else settings.client_mode
-        )
-        if self.peer.client_mode and not self.client_mode:
-            raise ConfigError(
-                "client_mode=False needs a peer that accepts connections, and the DHT's peer is "
-                "in client mode - help: leave client_mode=None"
-            )
-        self.descriptors = [TensorDescriptor.from_tensor(t) for t in self.tensors]
-        self.chunk_elements = chunk_elements(
-            self.tensors, settings.compression, settings.part_size_bytes
-        )
-        self.schema = schema_hash(
-            [
-                (d.shape, DTYPE_NAMES[d.dtype], c)
-                for d, c in zip(self.descriptors, self.chunk_elements, strict=True)
-            ]
-        )
-        self.total_size = sum(t.numel() for t in self.tensors)
-        self.bandwidth = settings.bandwidth  # measured when not given
-        self.buffers = RoundBuffers()
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self.matchmaking = MatchmakingDriver(
-            node,
-            settings.prefix,
-            settings.matchmaking,
-            self.schema,
-            self.total_size,
-            group_bits=settings.initial_group_bits,
-            min_vector_size=settings.min_vector_size,
-            spawn=self._spawn,
-        )
-        self._step_lock = asyncio.Lock()
-        self._runners: dict[bytes, AllReduceRunner] = {}
-        self._finished: collections.deque[bytes] = collections.deque(maxlen=RECENT_ROUNDS)
-        self._registered = asyncio.Event()
-        self._waiting_streams = 0
-        self._router: AveragingRouter | None = None
-        self.stats: collections.Counter[str] = collections.Counter(dict.fromkeys(STAT_KEYS, 0))
-        self.last_round: dict[str, Any] = {}
-
-    @classmethod
-    async def create(
-        cls,
-        tensors: Sequence[torch.Tensor],
-        node: DHTNode,
-        settings: AveragerSettings,
-        lock: threading.Lock | None = None,
-    ) -> AsyncAverager:
-        """Start serving the averaging protocols for ``settings.prefix`` on the node's peer.
-
-        Raises:
-            ConfigError: bad tensors, or another averager with this prefix on the same peer.
-        """
-        averager = cls(tensors, node, settings, lock)
-        router = AveragingRouter.of(averager.peer)
-        if settings.prefix in router.averagers:
-            raise ConfigError(
-                f"this peer already runs an averager with prefix {settings.prefix!r}"
-                " - help: shut it down first, or use another prefix"
-            )
-        router.averagers[settings.prefix] = averager
-        averager._router = router
-        return averager
-
-    def _spawn(self, work: Awaitable[T]) -> asyncio.Task[T]:
-        task = asyncio.ensure_future(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
-
-    # --- a round ----------------------------------------------------------------------------
-
-    async def step(
-        self, weight: float | None = None, timeout: float | None = None
-    ) -> RoundResult | None:
-        """Find a group and average with it once.
-
-        Args:
-            weight: this peer's weight in the average (e.g. samples since the last round);
-                default 1. Auxiliary peers have none.
-            timeout: seconds to look for a group (default: min_matchmaking_time + 10 x
-                request_timeout); the all-reduce is bounded by the settings' timeouts.
-
-        Returns:
-            What was averaged, or None if no group formed in time or the group disagreed.
-
-        Raises:
-            ConfigError: a weight that is not positive and finite.
-        """
-        if self.settings.auxiliary:
-            weight = 0.0
-        elif weight is None:
-            weight = 1.0
-        elif not (isinstance(weight, int | float) and 0 < weight < math.inf):
-            raise ConfigError(f"weight={weight!r} must be positive - help: pass a sample count")
-        task = asyncio.current_task()
-        if task is not None:
-            self._tasks.add(task)
-        try:
-            async with self._step_lock:
-                return await self._step(float(weight), timeout)
-        finally:
-            if task is not None:
-                self._tasks.discard(task)
-
-    async def _step(self, weight: float, timeout: float | None) -> RoundResult | None:
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        me = MemberInfo(
-            self.peer.peer_id,
-            self.client_mode,
-            self.settings.auxiliary,
-            weight,
-            self.bandwidth,
-            () if self.client_mode else tuple(self.peer.get_visible_addresses()),
-        )
-        window = self.settings.default_step_timeout if timeout is None else timeout
-        group = await self.matchmaking.find_group(me, get_dht_time() + window)
-        matchmaking_time = loop.time() - started
-        if group is None:
-            self.stats["no_group"] += 1
-            return None
-        try:
-            plan = PartitionPlan.build(self.descriptors, group.part_sizes, self.chunk_elements)
-            report, runner = await self._run_allreduce(group, plan)
-        finally:
-            self.matchmaking.withdraw_after_round()  # not during it: see find_group
-        allreduce_time = loop.time() - started - matchmaking_time
-        if report is None:
-            self.stats["aborted_rounds"] += 1
-            return None
-        self._measure(runner, allreduce_time)
-        self.stats["full_rounds" if report.is_full else "partial_rounds"] += 1
-        self.last_round = {
-            "group_size": len(group),
-            "is_full": report.is_full,
-            "matchmaking_time": matchmaking_time,
-            "allreduce_time": allreduce_time,
-            "bytes_sent": runner.bytes_sent,
-            "bytes_received": runner.bytes_received,
-        }
-        return RoundResult(
-            group.group_id, group.peers, report, plan, matchmaking_time, allreduce_time
-        )
-
-    async def _run_allreduce(
-        self, group: GroupInfo, plan: PartitionPlan
-    ) -> tuple[RoundReport | None, AllReduceRunner]:
-        for peer_id, addresses in zip(group.peers, group.addresses, strict=True):
-            for address in addresses if peer_id != self.peer.peer_id else ():
-                self.peer.add_address(peer_id, address)
-        loop = asyncio.get_running_loop()
-        deadline = None
-        if self.settings.allreduce_timeout is not None:
-            deadline = loop.time() + self.settings.allreduce_timeout
-        timeouts = Timeouts(
-            self.settings.request_timeout,
-            self.settings.sender_timeout,
-            self.settings.aggregator_timeout,
-            deadline,
-        )
-        await self._acquire_tensors(self.settings.sender_timeout)
-        try:
-            runner = AllReduceRunner(
-                self.peer,
-                self.settings.prefix,
-                group,
-                self.tensors,
-                plan,
-                self.settings.compression,
-                timeouts,
-                self.buffers,
-                self.settings.aggregation,
-            )
-            self._runners[group.group_id] = runner
-            registered, self._registered = self._registered, asyncio.Event()
-            registered.set()
-            try:
-                return await runner.run(), runner
-            except GroupMismatch as e:
-                logger.warning("%s: %s", self.settings.prefix, e)
-                return None, runner
-            finally:
-                del self._runners[group.group_id]
-                self._finished.append(group.group_id)
-        finally:
-            self.lock.release()
-
-    async def _acquire_tensors(self, timeout: float) -> None:
-        """Take the tensors' lock (a thread lock: user code holds it in get_tensors)."""
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + timeout
-        while not self.lock.acquire(blocking=False):
-            if loop.time() > give_up:
-                raise KitTimeout(
-                    f"the averaged tensors stayed locked for {timeout} s - help: do not hold "
-                    "get_tensors() across a step()"
-                )
-            await asyncio.sleep(0.001)
-
-    def _measure(self, runner: AllReduceRunner, seconds: float) -> None:
-        moved = runner.bytes_sent + runner.bytes_received
-        self.stats["bytes_sent"] += runner.bytes_sent
-        self.stats["bytes_received"] += runner.bytes_received
-        if self.settings.bandwidth is not None or moved < MIN_MEASURED_BYTES or seconds <= 0:
-            return
-        measured = moved / seconds
-        previous = self.bandwidth
-        self.bandwidth = (
-            measured
-            if previous is None
-            else (1 - BANDWIDTH_EMA_ALPHA) * previous + BANDWIDTH_EMA_ALPHA * measured
-        )
-
-    async def serve_allreduce(self, stream: StreamAPI, header: dict[str, Any]) -> None:
-        """An all-reduce stream of round ``header['group_id']``: hand it to that round's runner."""
-        group_id = header["group_id"]
-        runner = self._runners.get(group_id)
-        if runner is None and group_id not in self._finished:
-            if self._waiting_streams >= MAX_WAITING_STREAMS:
-                raise RemoteProtocolError("too many all-reduce streams for unknown rounds")
-            self._waiting_streams += 1  # the sender got the group a moment before we did
-            try:
-                give_up = asyncio.get_running_loop().time() + self.settings.request_timeout
-                while runner is None:
-                    left = give_up - asyncio.get_running_loop().time()
-                    if left <= 0:
-                        break
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(self._registered.wait(), left)
-                    runner = self._runners.get(group_id)
-            finally:
-                self._waiting_streams -= 1
-        if runner is None:
-            raise RemoteProtocolError(f"no round {group_id.hex()[:16]} here (over, or never ours)")
-        await runner.serve(stream, header)
-
-    def statistics(self) -> dict[str, Any]:
-        """Counters of rounds and bytes, the bandwidth estimate, and the last round's figures."""
-        return {**self.stats, "bandwidth": self.bandwidth, "last_round": dict(self.last_round)}
-
-    async def shutdown(self) -> None:
-        """Stop serving and cancel every task of this averager (bounded)."""
-        if self._router is not None and self._router.averagers.get(self.settings.prefix) is self:
-            del self._router.averagers[self.settings.prefix]
-        current = asyncio.current_task()
-        await cancel_and_wait([task for task in self._tasks if task is not current], 5.0)
-
-
-# --- the blocking facade ---------------------------------------------------------------------
+__all__ = ["AsyncAverager", "AveragingMode", "DecentralizedAverager", "RoundResult"]
 
 
 class DecentralizedAverager:
@@ -389,6 +68,9 @@ class DecentralizedAverager:
         robust_aggregation, clip_tau, clip_iterations: ``"centered_clip"`` makes each peer
             reduce its part with CenteredClip instead of the weighted mean, so that a byzantine
             sender cannot drag the average (``kit.averaging.robust``: what it does not cover).
+        allow_state_sharing: serve ``get_current_state()`` to peers that call
+            ``load_state_from_peers`` (default: unless client-mode or auxiliary).
+        declare_state_period: seconds between re-declarations as a state donor in the DHT.
 
     Raises:
         ConfigError: bad settings or tensors.
@@ -402,6 +84,9 @@ class DecentralizedAverager:
         start: bool = True,
         prefix: str,
         compression: CompressionBase | None = None,
+        allow_state_sharing: bool | None = None,
+        state_compression: CompressionBase | None = None,
+        averaging_alpha: float = 1.0,
         **settings: Any,
     ) -> None:
         self._tensors = check_tensors(averaged_tensors)
@@ -410,17 +95,34 @@ class DecentralizedAverager:
             logger.debug("DecentralizedAverager ignores hivemind's %s=%r", name, settings.pop(name))
         if "sender_timeout" in settings:  # hivemind's other name for it
             settings["next_chunk_timeout"] = settings.pop("sender_timeout")
-        unsupported = UNSUPPORTED_HIVEMIND_OPTIONS & set(settings)
+        unsupported = set(UNSUPPORTED_HIVEMIND_OPTIONS) & {
+            k for k, v in settings.items() if v is not None
+        }
+        if averaging_alpha != 1.0:
+            unsupported.add("averaging_alpha")
+        if state_compression is not None and not isinstance(state_compression, NoCompression):
+            unsupported.add("state_compression")
         if unsupported:
             raise ConfigError(
                 f"kit's averager does not support {', '.join(sorted(unsupported))} - help: drop "
-                "them (averaging_alpha is always 1; state sharing is kit.optim's job)"
+                "them (averaging_alpha is always 1; the state travels uncompressed)"
             )
+        settings.pop("tensor_infos", None)
         self.settings = AveragerSettings(
             prefix=prefix, compression=compression or NoCompression(), **settings
         )
+        client_mode = self.settings.client_mode
+        if client_mode is None and dht is not None and hasattr(dht, "client_mode"):
+            client_mode = dht.client_mode if dht.is_alive() else None
+        self._client_mode = bool(client_mode)
+        if allow_state_sharing is None:
+            allow_state_sharing = not self._client_mode and not self.settings.auxiliary
+        self._allow_state_sharing = False
+        self._state_sharing_priority = 0.0
         self._lock = threading.Lock()
         self._core: AsyncAverager | None = None
+        self.allow_state_sharing = allow_state_sharing
+        self.last_step: StepControl | None = None  # the latest step() (hivemind's scheduled steps)
         if start:
             self.run_in_background()
 
@@ -444,24 +146,103 @@ class DecentralizedAverager:
             self._core = self._wait(
                 self._submit(
                     lambda node: AsyncAverager.create(
-                        self._tensors, node, self.settings, self._lock
+                        self._tensors,
+                        node,
+                        self.settings,
+                        self._lock,
+                        get_state=self.get_current_state,
+                        share_state=self._allow_state_sharing,
+                        state_priority=self._state_sharing_priority,
                     )
                 ),
                 timeout,
             )
+            self._client_mode = self._core.client_mode
+
+    def is_alive(self) -> bool:
+        """Serving (started, not shut down, its DHT running)."""
+        return self._core is not None and self._dht.is_alive()
+
+    @property
+    def peer_id(self) -> PeerID:
+        peer_id: PeerID = self._dht.peer_id
+        return peer_id
+
+    @property
+    def mode(self) -> AveragingMode:
+        """NODE, CLIENT (accepts no connections) or AUX (aggregates, sends nothing)."""
+        if self._client_mode:
+            return AveragingMode.CLIENT
+        return AveragingMode.AUX if self.settings.auxiliary else AveragingMode.NODE
+
+    @property
+    def client_mode(self) -> bool:
+        return self._client_mode
+
+    # --- steps --------------------------------------------------------------------------------
 
     def step(
-        self, weight: float | None = None, timeout: float | None = None, wait: bool = True
-    ) -> RoundResult | None | concurrent.futures.Future[RoundResult | None]:
-        """Average once with a group (see ``AsyncAverager.step``); ``wait=False``: a Future."""
+        self,
+        gather: Any = None,
+        scheduled_time: float | None = None,
+        weight: float | None = None,
+        timeout: float | None = None,
+        allow_retries: bool = True,
+        require_trigger: bool = False,
+        wait: bool = True,
+    ) -> RoundResult | StepControl:
+        """Find a group and average with it once (hivemind's ``step``).
+
+        Args:
+            gather: not supported (hivemind's all-gather of metadata); must be None.
+            scheduled_time: DHT time at which the round should begin (default: now +
+                min_matchmaking_time): a leader waits for followers until then.
+            weight: this peer's weight (e.g. samples since the last round); default 1.
+            timeout: seconds to look for a group (default: until scheduled_time, then 10 x
+                request_timeout); the all-reduce is bounded by allreduce_timeout and the
+                per-chunk timeouts.
+            allow_retries: after a failed search or round, look again until the timeout.
+            require_trigger: find the group, then wait for ``control.allow_allreduce()``.
+            wait: block until done; False returns the ``StepControl`` (a Future) at once.
+
+        Returns:
+            The ``RoundResult`` (iterable over the group's peer ids), or its StepControl.
+
+        Raises:
+            AveragingFailed: no group formed in time, or every round failed (nothing changed).
+            KitUsageError: ``wait=True`` with ``require_trigger=True`` (nobody could trigger).
+        """
+        if gather is not None:
+            raise ConfigError(
+                "gather= (hivemind's all-gather) is not supported - help: publish such metadata "
+                "in the DHT, e.g. under a subkey of your own key"
+            )
+        if wait and require_trigger:
+            raise KitUsageError(
+                "a step that waits for its trigger cannot block the caller - help: use "
+                "step(wait=False, require_trigger=True), then control.allow_allreduce()"
+            )
         core = self._require()
-        future = self._submit(lambda node: core.step(weight, timeout))
-        if not wait:
-            return future
-        bound = (self.settings.default_step_timeout if timeout is None else timeout) + (
-            self.settings.allreduce_timeout or 600.0
+        control = core.make_control(
+            weight=weight,
+            timeout=timeout,
+            scheduled_time=scheduled_time,
+            allow_retries=allow_retries,
         )
-        return self._wait(future, bound + 30.0)
+        if not require_trigger:
+            control.allow_allreduce()
+        future = self._submit(lambda node: core.run_step(control))
+        future.add_done_callback(lambda done: _settle(control, done))
+        self.last_step = control
+        if not wait:
+            return control
+        bound = control.get_timeout() + 2 * (self.settings.allreduce_timeout or 600.0) + 30.0
+        try:
+            result: RoundResult = control.result(bound)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise KitTimeout(f"the averaging step did not end within {bound:.0f} s") from None
+        return result
 
     def get_group_bits(self) -> str:
         """The group key suffix of the next rounds (hivemind's name)."""
@@ -511,6 +292,82 @@ class DecentralizedAverager:
             Phase.LEADING,
         )
 
+    # --- state sharing ------------------------------------------------------------------------
+
+    @property
+    def allow_state_sharing(self) -> bool:
+        """Serve ``get_current_state()`` to peers that load the state (hivemind's name)."""
+        return self._allow_state_sharing
+
+    @allow_state_sharing.setter
+    def allow_state_sharing(self, value: bool) -> None:
+        if value and self._client_mode:
+            raise ConfigError(
+                "a client-mode averager cannot share its state (nobody can connect to it) - "
+                "help: leave allow_state_sharing off on client-mode peers"
+            )
+        self._allow_state_sharing = bool(value)
+        self._configure_sharing(allow=bool(value))
+
+    @property
+    def state_sharing_priority(self) -> float:
+        """Peers download the state from the donor with the highest priority first (e.g. its epoch)."""
+        return self._state_sharing_priority
+
+    @state_sharing_priority.setter
+    def state_sharing_priority(self, value: float) -> None:
+        if not (isinstance(value, int | float) and math.isfinite(value)):
+            raise ConfigError(f"state_sharing_priority={value!r} must be a finite number")
+        if value and self._client_mode:
+            raise ConfigError(
+                "a client-mode averager shares no state, so its priority is unused - help: "
+                "set it on peers that accept connections"
+            )
+        self._state_sharing_priority = float(value)
+        self._configure_sharing(priority=float(value))
+
+    def _configure_sharing(self, **changes: Any) -> None:
+        core = self._core
+        if core is not None and core.sharing is not None:
+            core.sharing.configure(**changes)
+
+    def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor]]:
+        """What peers download from this one: ``(metadata, tensors)``. Override it to share more.
+
+        ``metadata`` must be plain msgpack data (dicts, lists, str, bytes, numbers, None): kit
+        never pickles what travels. It runs in a worker thread when a peer asks. By default:
+        the group bits and a copy of the averaged tensors, taken under their lock.
+        """
+        with self.get_tensors() as tensors:
+            return {"group_key": self.get_group_bits()}, [t.detach().clone() for t in tensors]
+
+    def load_state_from_peers(
+        self, wait: bool = True, timeout: float | None = None
+    ) -> CurrentState | None | concurrent.futures.Future[CurrentState | None]:
+        """Download ``(metadata, tensors)`` from the donor with the highest priority that serves
+        it (hivemind's name); None if no other peer shares its state.
+
+        Args:
+            wait: block; False returns a Future at once.
+            timeout: the longest the whole download may take (None: as long as each donor
+                answers within max(request_timeout, next_chunk_timeout) per message).
+        """
+        core = self._require()
+        answer = max(self.settings.request_timeout, self.settings.sender_timeout)
+
+        async def download(node: DHTNode) -> CurrentState | None:
+            deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+            return await load_state(
+                core.node, self.settings.prefix, answer_timeout=answer, deadline=deadline
+            )
+
+        future = self._submit(download)
+        if not wait:
+            return future
+        return self._wait(future, None if timeout is None else timeout + answer)
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
     def _require(self) -> AsyncAverager:
         if self._core is None:
             raise KitUsageError(
@@ -530,3 +387,11 @@ class DecentralizedAverager:
 
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
+
+
+def _settle(control: StepControl, done: concurrent.futures.Future[Any]) -> None:
+    """The step's coroutine ended: make sure its control has an outcome (it sets one itself,
+    unless the coroutine never ran, e.g. the runtime stopped first)."""
+    if not control.done():
+        error = None if done.cancelled() else done.exception()
+        control.finish(error=AveragingFailed(f"the averaging step did not run: {error!r}"))

@@ -24,7 +24,7 @@ from kit.errors import InvalidTensor, RemoteProtocolError
 from kit.p2p import wire
 from kit.p2p.api import StreamAPI
 
-PROTOCOL = "kit/averaging/allreduce/1"
+PROTOCOL = "kit/averaging/allreduce/2"  # 2: differences for lossy codecs
 MAX_HEADER = 4096  # bytes of one stream or chunk header
 
 

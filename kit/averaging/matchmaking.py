@@ -248,11 +248,19 @@ class Matchmaker:
             )
         self.phase = new_phase
 
-    def start(self, now: float, deadline: float) -> Declaration | None:
-        """Begin looking; returns the declaration to publish (None for client-mode peers)."""
+    def start(
+        self, now: float, deadline: float, scheduled_time: float | None = None
+    ) -> Declaration | None:
+        """Begin looking; returns the declaration to publish (None for client-mode peers).
+
+        ``scheduled_time``: when to begin the round as a leader at the latest (hivemind's
+        ``step(scheduled_time=...)``); default now + min_matchmaking_time."""
         self._move(Trigger.START)
         self.deadline = deadline
-        self.expiration = min(now + self.settings.min_matchmaking_time, deadline)
+        begin = (
+            now + self.settings.min_matchmaking_time if scheduled_time is None else scheduled_time
+        )
+        self.expiration = min(begin, deadline)
         return self.declaration if self.can_lead else None
 
     # --- what the driver observes -------------------------------------------------------------

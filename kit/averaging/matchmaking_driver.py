@@ -166,14 +166,18 @@ class MatchmakingDriver:
     def phase(self) -> Phase:
         return self._matchmaker.phase if self._matchmaker is not None else Phase.IDLE
 
-    async def find_group(self, me: MemberInfo, deadline: float) -> GroupInfo | None:
+    async def find_group(
+        self, me: MemberInfo, deadline: float, scheduled_time: float | None = None
+    ) -> GroupInfo | None:
         """Look for a group until ``deadline`` (DHT time); None if none formed in time.
+
+        ``scheduled_time`` (DHT time): as a leader, begin then at the latest (see ``Matchmaker``).
 
         After a group's round, call :meth:`withdraw_after_round` (its declaration stays in the
         DHT till then, so no DHT store competes with the all-reduce for the links)."""
         matchmaker = self._matchmaker = Matchmaker(me, self.settings)
         self._group, self._declared_until = None, 0.0
-        declaration = matchmaker.start(get_dht_time(), deadline)
+        declaration = matchmaker.start(get_dht_time(), deadline, scheduled_time)
         declared = asyncio.Event()  # the first poll waits for our own declaration: then every
         if declaration is not None:  # peer that declared before us is visible to it
             preload_solver()  # this peer may lead: its LP must not wait for scipy's import

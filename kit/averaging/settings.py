@@ -48,6 +48,7 @@ class AveragerSettings:
     robust_aggregation: str = "mean"  # "centered_clip" if peers may send garbage (kit.averaging.robust); costs senders x part memory
     clip_tau: float | None = None  # CenteredClip radius; None: median distance per round. Lower it if bad peers still move the loss
     clip_iterations: int = 20  # CenteredClip steps at most; lower it if reducing a big part is slow, raise it if tau is tiny
+    declare_state_period: float = 30.0  # a state donor re-declares itself in the DHT this often (hivemind's)
     # fmt: on
 
     def __post_init__(self) -> None:
@@ -62,6 +63,11 @@ class AveragerSettings:
             value = getattr(self, name)
             if value is not None and not (0 < value < math.inf):
                 raise ConfigError(f"{name}={value!r} must be positive - help: or leave it None")
+        if not (0 < self.declare_state_period < math.inf):
+            raise ConfigError(
+                f"declare_state_period={self.declare_state_period!r} must be positive - help: "
+                "keep 30 (seconds)"
+            )
         if self.part_size_bytes < 1024 or self.min_vector_size < 0:
             raise ConfigError(
                 "part_size_bytes must be >= 1024 and min_vector_size >= 0"

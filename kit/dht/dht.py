@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 from kit.dht.node import DHTConfig, DHTNode
 from kit.dht.validation import RecordValidator
-from kit.errors import ConfigError, DHTNotRunning
+from kit.errors import ConfigError, DHTNotRunning, KitTimeout
 from kit.p2p.api import PeerAPI
 from kit.p2p.identity import PeerID
 from kit.runtime import Runtime, get_runtime
@@ -42,7 +42,7 @@ IGNORED_HIVEMIND_OPTIONS = frozenset(
         "force_reachability", "idle_timeout", "relay_hop_limit", "tls", "use_ipfs",
         "persistent_conn_max_msg_size", "quic", "use_relay_hop", "use_relay_discovery",
         "check_if_identity_free", "trusted_relays", "p2p", "daemon", "num_workers",
-        "shutdown_timeout", "await_ready", "ensure_bootstrap_success", "strict", "authorizer",
+        "shutdown_timeout", "ensure_bootstrap_success", "strict", "authorizer",
         "reuse_get_requests", "chunk_size", "cache_refresh_before_expiry", "node_id",
     }
 )  # fmt: skip
@@ -101,7 +101,9 @@ class DHT:
     Args:
         initial_peers: addresses of running DHT peers (what their ``get_visible_maddrs()``
             returns); empty or None for the first peer of a swarm.
-        start: start at once (blocking until joined); else call :meth:`run_in_background`.
+        start: start at once; else call :meth:`run_in_background`.
+        await_ready: with ``start``, block until joined (False: return at once and call
+            :meth:`wait_until_ready` later, as hivemind's ``DHT(await_ready=False)``).
         client_mode: True: only query (peers behind NAT: Colab, Kaggle); False: serve the DHT
             (needs a reachable host/port); None: the peer finds out, by asking an initial peer
             to dial it back, and falls back to client mode if that fails.
@@ -129,6 +131,7 @@ class DHT:
         initial_peers: Sequence[object] | str | None = None,
         *,
         start: bool = True,
+        await_ready: bool = True,
         client_mode: bool | None = None,
         host: str | None = None,
         port: int | None = None,
@@ -202,7 +205,7 @@ class DHT:
         self._node: DHTNode | None = None
         self._starting: concurrent.futures.Future[None] | None = None
         if start:
-            self.run_in_background(await_ready=True)
+            self.run_in_background(await_ready=await_ready)
 
     def __repr__(self) -> str:
         state = "running" if self.is_alive() else "stopped"
@@ -218,12 +221,22 @@ class DHT:
             self.wait_until_ready(timeout)
 
     def wait_until_ready(self, timeout: float | None = None) -> None:
-        """Block until the node has joined (or raise what stopped it from joining)."""
+        """Block until the node has joined (or raise what stopped it from joining).
+
+        Raises:
+            KitTimeout: not joined within ``timeout`` (it goes on starting, as in hivemind).
+            DHTNotRunning: not joined within ``startup_timeout`` (``timeout=None``): stopped.
+        """
         if self._starting is None:
             raise DHTNotRunning("this DHT was not started - help: call run_in_background()")
         try:
             self._starting.result(self.startup_timeout if timeout is None else timeout)
         except concurrent.futures.TimeoutError:
+            if timeout is not None:
+                raise KitTimeout(
+                    f"the DHT has not joined within {timeout} s (it is still starting) - help: "
+                    "call wait_until_ready() again, or with a longer timeout"
+                ) from None
             self._starting.cancel()
             raise DHTNotRunning(
                 f"the DHT did not start within {self.startup_timeout} s - help: check that "

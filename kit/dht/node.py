@@ -319,7 +319,8 @@ class DHTNode:
         if answered == 0 and len(self.routing_table) == 0:
             problems = "; ".join(str(o) for o in outcomes if isinstance(o, Exception))
             raise BootstrapFailed(
-                f"none of the {len(others)} initial peers answered ({problems}) - help: check "
+                f"failed to connect to bootstrap peers: none of the {len(others)} initial peers "
+                f"answered ({problems}) - help: check "
                 "the addresses (copy them from get_visible_maddrs() of a running public peer; "
                 "client-mode peers serve no DHT requests), that it runs and its port is open"
             )

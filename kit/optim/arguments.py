@@ -92,6 +92,11 @@ def validate(arguments: dict[str, Any]) -> None:
                     f"use_local_updates steps on every local gradient, so {name} does not apply"
                     f" - help: drop {name}, or use_local_updates"
                 )
+    if arguments["auxiliary"] and arguments["use_local_updates"]:
+        raise ConfigError(
+            "auxiliary peers help with gradient rounds, and use_local_updates has none - "
+            "help: drop auxiliary=True (or use_local_updates)"
+        )
     if arguments["auxiliary"] and (arguments["reuse_grad_buffers"] or delay or offload):
         raise ConfigError(
             "auxiliary peers have no gradients or optimizer steps - help: drop "

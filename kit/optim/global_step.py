@@ -39,7 +39,7 @@ class GlobalStep:
     matchmaking_time: float
     averaging_timeout: float
     tracker: ProgressTracker
-    grad_averager: DecentralizedAverager
+    grad_averager: DecentralizedAverager | None  # None with use_local_updates
     _inner: InnerOptimizer
     _accumulated: GradientAccumulator
     _exact_gradients: bool
@@ -65,6 +65,11 @@ class GlobalStep:
 
         def _set_drifted(self, drifted: bool) -> None: ...
 
+    @property
+    def _grads(self) -> DecentralizedAverager:
+        assert self.grad_averager is not None, "gradient rounds need the gradient averager"
+        return self.grad_averager
+
     def _global_step(self) -> None:
         epoch = self.local_epoch
         self._finish_optimizer_step(wait=None)  # one optimizer step in flight at a time
@@ -73,16 +78,18 @@ class GlobalStep:
             self._prefetch = None
         stepped = False
         global_epoch = self.tracker.global_progress.epoch
-        if global_epoch > epoch and self._in_step:
+        if global_epoch > epoch and self._in_step and not self.use_local_updates:
             # The others already took this step without us (our view of their progress lagged):
             # a round tagged with our epoch would find nobody. Join the current epoch instead.
+            # (With local updates there is no such round: the step is ours to take, and our
+            # parameter round at the next epoch meets theirs.)
             self._fast_forward(global_epoch)
             return
         samples = self._accumulated.samples
         if self.use_local_updates:
             stepped = False  # parameters are averaged by the state round (_after_update)
         elif samples > 0:
-            with self.grad_averager.get_tensors() as buffers:
+            with self._grads.get_tensors() as buffers:
                 self._accumulated.mean_gradient(buffers)
             if self.delay_grad_averaging:
                 self._delayed_global_step(epoch, samples)
@@ -101,7 +108,7 @@ class GlobalStep:
             self._outcome = RoundOutcome(
                 epoch, result, expected, self._exact_gradients and self.exact_steps
             )
-            with self.grad_averager.get_tensors() as buffers:
+            with self._grads.get_tensors() as buffers:
                 self._inner.set_gradients(buffers, reuse_grad_buffers=self.reuse_grad_buffers)
             stepped = True
         else:
@@ -122,7 +129,7 @@ class GlobalStep:
             self._outcome = RoundOutcome(
                 epoch, result, expected, self._exact_gradients and self.exact_steps
             )
-            with self.grad_averager.get_tensors() as buffers:
+            with self._grads.get_tensors() as buffers:
                 self._inner.set_gradients(buffers, reuse_grad_buffers=False)
 
         # Until the round is over the others must still see us at its epoch: a peer at the next
@@ -167,7 +174,7 @@ class GlobalStep:
 
     def _average_gradients(self, epoch: int, samples: int) -> tuple[RoundResult | None, int]:
         return average_at_epoch(
-            self.grad_averager,
+            self._grads,
             self.tracker,
             epoch,
             float(samples),

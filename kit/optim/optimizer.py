@@ -52,6 +52,7 @@ import torch
 
 from kit.averaging.averager import DecentralizedAverager
 from kit.averaging.compression import CompressionBase, NoCompression
+from kit.averaging.control import StepControl
 from kit.errors import (
     ConfigError,
     KitUsageError,
@@ -211,6 +212,7 @@ class Optimizer(StateSharing, GlobalStep, torch.optim.Optimizer):
         self.nonfinite_rollbacks = 0  # steps undone because they left a parameter non-finite
         self._last_shared: StateSnapshot | None = None  # the last state this peer shared
         self._in_step = False  # it has loaded a state or taken a global step with the others
+        self._step_ended: float | None = None  # when the last step() returned (perf_counter)
         self._last_group_size = 0  # of the last gradient round (0: none, or it failed)
         self._outcome: RoundOutcome | None = None  # of a background gradient round, to conclude
         self._held_report: tuple[int, int] | None = None  # published while that round runs
@@ -226,7 +228,6 @@ class Optimizer(StateSharing, GlobalStep, torch.optim.Optimizer):
         # A fresh peer's parameters match nobody's (random init, or a checkpoint): drifted until
         # a state download or a complete parameter round says otherwise.
         self._drifted = True
-        self._grad_buffers = [torch.zeros(p.shape, dtype=torch.float32) for p in self._params]
         self._state_buffers = [
             torch.zeros(t.shape, dtype=torch.float32) for t in self._averaged.current()
         ]
@@ -236,22 +237,28 @@ class Optimizer(StateSharing, GlobalStep, torch.optim.Optimizer):
         # (load_state_from_peers, or the first step, takes it if it is still current).
         prefetch = None if auxiliary else self._download(load_state_timeout, only_if_running=True)
         client = dht.client_mode if client_mode is None else client_mode
-        averaging = dict(
-            min_matchmaking_time=self.matchmaking_time,
-            request_timeout=min(3.0, self.matchmaking_time),
-            allreduce_timeout=allreduce_timeout or self.averaging_timeout,
-            next_chunk_timeout=next_chunk_timeout,
-            client_mode=client,
-            auxiliary=auxiliary,
-            **(averager_opts or {}),
-        )
-        self.grad_averager = DecentralizedAverager(
-            self._grad_buffers,
-            dht,
-            prefix=f"{run_id}_grad_averager",
-            compression=grad_compression or NoCompression(),
-            **averaging,
-        )
+        averaging: dict[str, Any] = {
+            "min_matchmaking_time": self.matchmaking_time,
+            "request_timeout": min(3.0, self.matchmaking_time),
+            "allreduce_timeout": allreduce_timeout or self.averaging_timeout,
+            "next_chunk_timeout": next_chunk_timeout,
+            "client_mode": client,
+            "auxiliary": auxiliary,
+            # kit's optimizer shares its state itself (optim/state.py: several donors, digest)
+            "allow_state_sharing": False,
+            **(averager_opts or {}),  # the user's options win over kit's defaults
+        }
+        # With local updates parameters are averaged, never gradients: no gradient averager
+        # (hivemind's grad_averager is None then too).
+        self.grad_averager: DecentralizedAverager | None = None
+        if not use_local_updates:
+            self.grad_averager = DecentralizedAverager(
+                [torch.zeros(p.shape, dtype=torch.float32) for p in self._params],
+                dht,
+                prefix=f"{run_id}_grad_averager",
+                compression=grad_compression or NoCompression(),
+                **averaging,
+            )
         self.state_averager = DecentralizedAverager(
             self._state_buffers,
             dht,
@@ -263,16 +270,15 @@ class Optimizer(StateSharing, GlobalStep, torch.optim.Optimizer):
         identity = dht.node.peer.identity
 
         async def start(_: Any, node: Any) -> tuple[ProgressTracker, StateServer]:
-            tracker = ProgressTracker(
-                node,
-                run_id,
-                target_batch_size,
-                identity=identity,
-                client_mode=client,
-                auxiliary=auxiliary,
-                performance_ema_alpha=performance_ema_alpha,
-                **(tracker_opts or {}),
-            )
+            options: dict[str, Any] = {
+                "identity": identity,
+                "client_mode": client,
+                "auxiliary": auxiliary,
+                "performance_ema_alpha": performance_ema_alpha,
+                "measure_reports": False,  # step() measures: several reports come per step
+                **(tracker_opts or {}),  # the user's options win over kit's defaults
+            }
+            tracker = ProgressTracker(node, run_id, target_batch_size, **options)
             tracker.start()
             return tracker, StateServer(node.peer, node, run_id, identity)
 
@@ -304,6 +310,16 @@ class Optimizer(StateSharing, GlobalStep, torch.optim.Optimizer):
     @property
     def global_progress(self) -> GlobalProgress:
         return self.tracker.global_progress
+
+    @property
+    def scheduled_grads(self) -> StepControl | None:
+        """The gradient averager's latest step (hivemind's name): done unless a round runs;
+        None before the first round, and with ``use_local_updates``."""
+        return None if self.grad_averager is None else self.grad_averager.last_step
+
+    def is_alive(self) -> bool:
+        """The optimizer's averagers still run (False after ``shutdown``), as hivemind's."""
+        return self.state_averager.is_alive()
 
     def is_synchronized_with_peers(self) -> bool:
         """True if this peer is at the collaboration's epoch (or one behind, mid-step)."""
@@ -341,8 +357,16 @@ class Optimizer(StateSharing, GlobalStep, torch.optim.Optimizer):
         self._apply_background_work()
         global_epoch = self.tracker.global_progress.epoch
         behind = global_epoch - self.local_epoch
+        if behind == 1 and self.use_local_updates and self._accumulated.samples > 0:
+            # Local updates: a peer that took the step a moment before us counted our samples
+            # (it reports the next epoch at once, before its parameter round). There is no
+            # gradient round to miss: take the step too, so our parameter round meets theirs
+            # (loading their state instead would leave their round without us).
+            self._global_step()
+            behind = self.tracker.global_progress.epoch - self.local_epoch
         if behind > 0 and (not self._in_step or behind > MAX_FAST_FORWARD):
             self.load_state_from_peers()  # a fresh peer, or too far behind: catch up first
+            self._step_ended = None  # the download is no training time
             return loss
         if behind > 0:
             # The others stepped without us (our round failed, or the state we downloaded was
@@ -355,9 +379,12 @@ class Optimizer(StateSharing, GlobalStep, torch.optim.Optimizer):
         if finite and self.use_local_updates:
             self.opt.step()
             self._roll_back_if_not_finite()
+        if finite and self._step_ended is not None:  # local throughput, global steps excluded
+            self.tracker.performance_ema.update(batch_size, time.perf_counter() - self._step_ended)
         self._report_progress()
         if self._held_report is None and self.tracker.ready_to_update_epoch:
             self._global_step()
+        self._step_ended = time.perf_counter()
         return loss
 
     def share_state(self) -> None:
@@ -403,7 +430,8 @@ class Optimizer(StateSharing, GlobalStep, torch.optim.Optimizer):
             self._cancel_catch_up()
             if self._prefetch is not None:
                 self._prefetch.cancel()
-            self.grad_averager.shutdown()
+            if self.grad_averager is not None:
+                self.grad_averager.shutdown()
             self.state_averager.shutdown()
 
             async def stop(_: Any, node: Any) -> None:

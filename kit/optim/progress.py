@@ -25,9 +25,14 @@ from typing import Any
 
 from kit.dht.node import DHTNode, get_dht_time
 from kit.dht.validation import Ed25519SignatureValidator
-from kit.errors import KitError, TransientError
+from kit.errors import ConfigError, KitError, TransientError
 
 logger = logging.getLogger(__name__)
+
+#: hivemind ProgressTracker options that tune its own refresh heuristics: accepted, unused.
+IGNORED_HIVEMIND_OPTIONS = frozenset(
+    {"default_refresh_period", "expected_drift_peers", "expected_drift_rate", "status_loglevel"}
+)
 
 
 @dataclass(frozen=True)
@@ -140,6 +145,32 @@ def aggregate(
     )
 
 
+class PerformanceEMA:
+    """This peer's samples per second, smoothed (hivemind's ``tracker.performance_ema``).
+
+    An exponential moving average of the rate between consecutive reports of one epoch; the
+    time of a global step (between epochs) is not counted, as hivemind pauses it then.
+    """
+
+    def __init__(self, alpha: float = 0.1) -> None:
+        self.alpha = alpha
+        self.samples_per_second = 0.0
+
+    def update(self, samples: int, seconds: float) -> float:
+        """``samples`` were processed in ``seconds``; returns the new estimate."""
+        if samples > 0 and seconds > 0:
+            instant = samples / seconds
+            previous = self.samples_per_second
+            alpha = self.alpha
+            self.samples_per_second = (
+                instant if previous == 0 else (1 - alpha) * previous + alpha * instant
+            )
+        return self.samples_per_second
+
+    def __repr__(self) -> str:
+        return f"PerformanceEMA({self.samples_per_second:.3f} samples/s)"
+
+
 class ProgressTracker:
     """Publishes this peer's progress and keeps the global view fresh (a task on the runtime loop).
 
@@ -153,6 +184,12 @@ class ProgressTracker:
             if peers enter averaging late on a fast local swarm; raise the maximum on big swarms.
         metadata_expiration: lifetime of a record; a peer silent for longer is forgotten.
         performance_ema_alpha: smoothing of the samples/s estimate.
+        private_key: hivemind's name for ``identity`` (overrides it): the key signing records.
+        measure_reports: update ``performance_ema`` from the reports' sample counts (False:
+            the caller measures, as kit.Optimizer does per step).
+        **hivemind_options: hivemind's tuning knobs with no meaning here
+            (``default_refresh_period``, ``expected_drift_peers``, ``expected_drift_rate``,
+            ``status_loglevel``) are accepted and ignored; others raise ConfigError.
     """
 
     def __init__(
@@ -168,7 +205,17 @@ class ProgressTracker:
         max_refresh_period: float = 10.0,
         metadata_expiration: float = 60.0,
         performance_ema_alpha: float = 0.1,
+        private_key: Any = None,
+        measure_reports: bool = True,
+        **hivemind_options: Any,
     ) -> None:
+        unknown = set(hivemind_options) - IGNORED_HIVEMIND_OPTIONS
+        if unknown:
+            raise ConfigError(
+                f"ProgressTracker got unknown options {sorted(unknown)} - help: see "
+                "help(kit.optim.ProgressTracker)"
+            )
+        identity = private_key if private_key is not None else identity
         self.node = node
         self.key = f"{prefix}_progress"
         self.target_batch_size = target_batch_size
@@ -177,7 +224,8 @@ class ProgressTracker:
         self.min_refresh_period = min_refresh_period
         self.max_refresh_period = max_refresh_period
         self.metadata_expiration = metadata_expiration
-        self.performance_ema_alpha = performance_ema_alpha
+        self.performance_ema = PerformanceEMA(performance_ema_alpha)
+        self.measure_reports = measure_reports
         self._validator = Ed25519SignatureValidator(identity)
         node.add_validators([self._validator])
         self._subkey = self._validator.local_owner
@@ -203,13 +251,10 @@ class ProgressTracker:
     def report_local_progress(self, epoch: int, samples_accumulated: int) -> None:
         """Record progress (called from the training step); published right away."""
         now = get_dht_time()
-        rate = self.local.samples_per_second
-        if epoch == self.local.epoch and samples_accumulated > self.local.samples_accumulated:
-            elapsed = now - (self._last_report_time or now)
-            if elapsed > 0:
-                instant = (samples_accumulated - self.local.samples_accumulated) / elapsed
-                alpha = self.performance_ema_alpha
-                rate = instant if rate == 0 else (1 - alpha) * rate + alpha * instant
+        added = samples_accumulated - self.local.samples_accumulated
+        if self.measure_reports and epoch == self.local.epoch and added > 0:
+            self.performance_ema.update(added, now - (self._last_report_time or now))
+        rate = self.performance_ema.samples_per_second
         self._last_report_time = now
         self.local = LocalProgress(
             self._peer_id,
@@ -263,6 +308,15 @@ class ProgressTracker:
     def others_at_epoch(self, epoch: int) -> int:
         """Other training peers (not auxiliary) whose last record is at ``epoch``."""
         return sum(1 for r in self._others if r.epoch == epoch and not r.auxiliary)
+
+    @property
+    def global_epoch(self) -> int:
+        """The collaboration's epoch as this peer sees it (hivemind's name)."""
+        return self.global_progress.epoch
+
+    def is_alive(self) -> bool:
+        """Publishing and fetching (False once shut down)."""
+        return self._task is not None and not self._task.done()
 
     @property
     def ready_to_update_epoch(self) -> bool:

@@ -14,7 +14,8 @@ import logging
 import time
 
 from kit.averaging.averager import DecentralizedAverager, RoundResult
-from kit.errors import KitError, KitTimeout, TransientError
+from kit.averaging.control import StepControl
+from kit.errors import AveragingFailed, KitError, KitTimeout, TransientError
 from kit.optim.progress import ProgressTracker
 
 logger = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ def average_at_epoch(
     # The timeout bounds the search for a group; the all-reduce has its own (allreduce_timeout).
     search = 2 * matchmaking_time + 1.0
     future = averager.step(weight=weight, timeout=search, wait=False)
-    if not isinstance(future, concurrent.futures.Future):  # step(wait=False) returns one
+    if not isinstance(future, StepControl):  # step(wait=False) returns one
         raise TypeError(f"averager.step(wait=False) returned {type(future).__name__}")
     give_up = time.monotonic() + search + averaging_timeout + 30.0
     while True:
@@ -111,6 +112,9 @@ def average_at_epoch(
                 future.cancel()
                 logger.info("the others finished epoch %d's round without us", epoch)
                 return None, expected
+        except AveragingFailed as e:  # no group, or the round failed: RoundOutcome.log warns
+            logger.info("%s: %s", averager.settings.prefix, e)
+            return None, expected
         except (TransientError, KitTimeout, KitError, concurrent.futures.CancelledError) as e:
             logger.warning("averaging round failed: %s", e)
             return None, expected

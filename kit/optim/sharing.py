@@ -76,11 +76,16 @@ class StateSharing:
     def _set_drifted(self, drifted: bool) -> None:
         raise NotImplementedError
 
-    def load_state_from_peers(self, timeout: float | None = None) -> None:
+    def load_state_from_peers(self, timeout: float | None = None) -> bool:
         """Download parameters, optimizer and scheduler state and epoch from up-to-date peers.
 
+        Returns:
+            Whether a state was loaded: False at once, keeping this peer's own state, when no
+            other peer shares one (the first peer of a run), as hivemind does.
+
         Raises:
-            StateDownloadFailed: nobody could provide a verified state within the timeout.
+            StateDownloadFailed: peers share a state, but none could provide a verified one
+                within the timeout.
         """
         started = time.perf_counter()
         self._finish_optimizer_step(wait=None)
@@ -96,15 +101,17 @@ class StateSharing:
             if snapshot is not None and snapshot.epoch < self.tracker.global_progress.epoch - 1:
                 snapshot = None
         if snapshot is None:
-            snapshot = self._download(timeout).result(timeout + 30.0)
+            snapshot = self._download(timeout, only_if_shared=True).result(timeout + 30.0)
         if snapshot is None:
-            raise StateDownloadFailed("no peer shares a state - help: check that other peers run")
+            logger.info("no other peer shares a state yet: keeping this peer's own")
+            return False
         self._load_snapshot(snapshot, keep_accumulated=False)
         logger.info(
             "downloaded the state of epoch %d from peers in %.1f s",
             self.local_epoch,
             time.perf_counter() - started,
         )
+        return True
 
     def _apply_catch_up(self) -> None:
         """Load a finished background download (see ``_fast_forward``)."""
@@ -184,11 +191,17 @@ class StateSharing:
             self._catch_up = None
 
     def _download(
-        self, timeout: float, *, only_if_running: bool = False, min_epoch: int = 0
+        self,
+        timeout: float,
+        *,
+        only_if_running: bool = False,
+        only_if_shared: bool = False,
+        min_epoch: int = 0,
     ) -> concurrent.futures.Future[StateSnapshot | None]:
         """Start downloading the newest state from peers (on the runtime loop).
 
         ``only_if_running``: None at once if no peer advertises a state past epoch 0.
+        ``only_if_shared``: None at once if no other peer advertises a state at all.
         ``min_epoch``: wait (until the timeout, then None) for a donor at this epoch or later.
         """
 
@@ -200,6 +213,8 @@ class StateSharing:
             while True:
                 donors = await find_donors(node, node.peer, self.run_id)
                 if only_if_running and not any(d.epoch > 0 for d in donors):
+                    return None
+                if only_if_shared and not donors:
                     return None
                 if min_epoch > 0 and not any(d.epoch >= min_epoch for d in donors):
                     if loop.time() + DONOR_POLL > deadline:

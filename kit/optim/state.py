@@ -32,6 +32,7 @@ from typing import Any
 import msgpack
 import torch
 
+from kit.averaging.state_sharing import tensor_bytes, tensor_from_bytes, tensor_header
 from kit.dht.node import DHTNode, get_dht_time
 from kit.dht.validation import Ed25519SignatureValidator
 from kit.errors import (
@@ -54,39 +55,6 @@ META_TIMEOUT = (
 )
 META_GRACE = 0.3  # after the first donor answered, wait this long for others to compare digests
 _DIGEST_LOCK = threading.Lock()
-_TORCH_DTYPES = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "bool": torch.bool,
-}
-_DTYPE_NAMES = {value: key for key, value in _TORCH_DTYPES.items()}
-
-
-def tensor_header(tensor: torch.Tensor) -> TensorHeader:
-    if tensor.dtype not in _DTYPE_NAMES:
-        raise KitError(f"cannot share tensors of dtype {tensor.dtype}")
-    return TensorHeader(_DTYPE_NAMES[tensor.dtype], tuple(tensor.shape))
-
-
-def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    flat = tensor.detach().contiguous().reshape(-1)
-    if flat.dtype == torch.bfloat16:
-        flat = flat.view(torch.int16)
-    return memoryview(flat.numpy()).cast("B")  # type: ignore[arg-type]
-
-
-def tensor_from_bytes(header: TensorHeader, buffer: bytearray) -> torch.Tensor:
-    dtype = _TORCH_DTYPES[header.dtype]
-    if header.numel == 0:
-        return torch.empty(header.shape, dtype=dtype)
-    return torch.frombuffer(buffer, dtype=dtype).reshape(header.shape).clone()
 
 
 # --- flattening torch state into (msgpack metadata, tensors) --------------------------------

@@ -46,7 +46,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kit.averaging.averager import DecentralizedAverager, RoundResult
-from kit.errors import ConfigError
+from kit.errors import AveragingFailed, ConfigError
 from kit.optim.stepping import InnerOptimizer
 
 logger = logging.getLogger(__name__)
@@ -181,7 +181,7 @@ class DelayedStateAveraging:
         self.averager.set_target_group_size(expected if expected >= 2 else None)
         self._expected = expected
         future = self.averager.step(weight=1.0, timeout=timeout, wait=False)
-        assert isinstance(future, concurrent.futures.Future)
+        assert isinstance(future, concurrent.futures.Future)  # a StepControl
         self._future = future
 
     def finish(self, wait: float | None = 0.0) -> tuple[bool, RoundResult | None]:
@@ -197,6 +197,9 @@ class DelayedStateAveraging:
             result = future.result(timeout=wait)
         except concurrent.futures.TimeoutError:
             return False, None
+        except AveragingFailed as e:  # no group (nobody drifted, or alone): nothing to apply
+            logger.info("parameter averaging: %s", e)
+            result = None
         except Exception as e:  # a failed round must never stop training
             logger.warning("parameter averaging failed: %s", e)
             result = None

@@ -152,11 +152,14 @@ class AuxiliaryPeer:
             return
         self._next_attempt = now + CHECKPOINT_RETRY_SECONDS
         try:
-            self.optimizer.load_state_from_peers(
+            loaded = self.optimizer.load_state_from_peers(
                 timeout=self.config.collaboration.load_state_timeout
             )
         except StateDownloadFailed as error:
             logger.warning("checkpoint of step %d postponed: %s", epoch, error)
+            return
+        if not loaded:  # nobody shares a state: ours is not trained, never save it
+            logger.warning("checkpoint of step %d postponed: no peer shares its state", epoch)
             return
         optimizer = self.optimizer
         with torch.no_grad():

@@ -37,6 +37,7 @@ from kit.averaging.partition import PartitionPlan, RoundReport
 from kit.errors import GroupMismatch
 from kit.p2p import wire
 from kit.p2p.api import StreamAPI
+from kit.p2p.identity import PeerID
 from kit.p2p.memory import MemoryNetwork, MemoryPeer
 from tests.conftest import MS
 
@@ -211,6 +212,60 @@ async def test_compressed_rounds_stay_within_the_codec_error(
         assert 0 < error < bound  # compressed (so not exact), but close
 
 
+async def test_lossy_codecs_send_each_sender_its_difference_to_the_average() -> None:
+    """hivemind's test_allreduce_compression vectors: a client-mode peer and an aggregator, fp16.
+    Each receives ``fp16(average - sent)`` and adds it to its own exact values, so its error is
+    one rounding of a small difference (mean squared error <= 1e-5, hivemind's bound) instead of
+    a second rounding of the whole average."""
+    swarm = Swarm()
+    peers = await swarm.add(2, clients=(0,))
+    values = [
+        [torch.linspace(0, 500, 1000) ** 0.5, torch.linspace(-3, 3, 91)],
+        [torch.linspace(300, 800, 1000) ** 0.5, torch.linspace(3, -3, 91)],
+    ]
+    total = sum(t.numel() for t in values[0])
+    group = make_group(peers, [1.0, 1.0], clients=(0,), total=total)
+    tensors = [[t.clone() for t in v] for v in values]
+    codec = Float16Compression()
+    runners = []
+    for i in range(2):
+        plan = PartitionPlan.build(
+            [TensorDescriptor.from_tensor(t) for t in tensors[i]], group.part_sizes, 64
+        )
+        runner = AllReduceRunner(
+            peers[i], "test", group, tensors[i], plan, codec, FAST, RoundBuffers()
+        )
+        swarm.runners[peers[i]][group.group_id] = runner
+        runners.append(runner)
+    reports = await run_all(runners)
+    assert all(isinstance(r, RoundReport) and r.is_full for r in reports)
+    expected = (flat(values[0]).double() + flat(values[1]).double()) / 2
+    sent = [codec.extract(codec.compress(flat(v))).double() for v in values]
+    twice = codec.extract(codec.compress(((sent[0] + flat(values[1])) / 2).float()))
+    client_error = (flat(tensors[0]).double() - expected).square().mean().item()
+    assert 0 < client_error <= 1e-5
+    assert client_error < (twice.double() - expected).square().mean().item() / 2
+    # The aggregator kept its own exact values in its part: only the client's rounding remains.
+    assert (flat(tensors[1]).double() - expected).square().mean().item() <= 1e-5
+
+
+async def test_a_group_of_auxiliary_peers_only_ends_at_once_without_a_deadline() -> None:
+    swarm = Swarm()
+    peers = await swarm.add(3)
+    group = make_group(peers, [0.0, 0.0, 0.0], aux=(0, 1, 2))
+    assert not group.senders and all(size > 0 for size in group.part_sizes)
+    values = [random_tensors(i) for i in range(3)]
+    tensors = [[t.clone() for t in v] for v in values]
+    no_deadline = Timeouts(connect=10.0, sender=10.0, reducer=20.0, deadline=None)
+    started = asyncio.get_running_loop().time()
+    reports = await run_all(
+        [swarm.runner(i, group, tensors[i], timeouts=no_deadline) for i in range(3)]
+    )
+    assert asyncio.get_running_loop().time() - started < 1.0  # no sender timeout waited for
+    assert all(isinstance(r, RoundReport) and r.is_full for r in reports), reports
+    assert all(flat(t).equal(flat(v)) for t, v in zip(tensors, values, strict=True))
+
+
 async def send_raw(
     stream: StreamAPI, chunks: Sequence[tuple[dict[str, Any], bytes]], *, close: bool = True
 ) -> None:
@@ -344,10 +399,11 @@ async def test_a_sender_that_stops_is_excluded_from_the_chunks_it_did_not_delive
 class DyingAggregator(AllReduceRunner):
     """Sends the averages of its first two chunks, then its peer shuts down."""
 
-    async def _write_averages(self, stream: StreamAPI) -> None:
+    async def _write_averages(self, stream: StreamAPI, sender: PeerID) -> None:
+        assert self._averages is not None
         for chunk in range(2):
             await self._wait_progress(chunk, 2.0) if chunk >= self._ready else None
-            header, payload = self._averaged[chunk]  # type: ignore[misc]
+            header, payload = self._averages.for_sender(sender, chunk)
             await stream.send_message(header, timeout=1.0)
             if payload is not None:
                 await stream.send_message(payload, timeout=1.0)

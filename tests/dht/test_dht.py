@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kit.dht import DHT, DHTNode, ValueWithExpiration, get_dht_time, parse_maddr
-from kit.errors import BootstrapFailed, ConfigError, DHTNotRunning, KitUsageError
+from kit.errors import BootstrapFailed, ConfigError, DHTNotRunning, KitTimeout, KitUsageError
 from kit.p2p.api import PeerAPI
 from kit.p2p.identity import PeerID
 from kit.p2p.memory import MemoryNetwork, memory_address
@@ -85,9 +87,26 @@ def test_start_false_then_run_in_background(network: MemoryNetwork) -> None:
     assert not dht.is_alive()
 
 
+def test_await_ready_false_returns_at_once_and_a_short_wait_times_out(
+    network: MemoryNetwork,
+) -> None:
+    async def slow_factory(initial_peers: list[str], **options: Any) -> PeerAPI:
+        await asyncio.sleep(0.5)  # a slow start (e.g. a relay far away)
+        return await network.create_peer(initial_peers, **options)
+
+    started = time.monotonic()
+    dht = DHT(peer_factory=slow_factory, config=FAST, await_ready=False)
+    assert time.monotonic() - started < 0.4 and not dht.is_alive()
+    with pytest.raises(KitTimeout, match="help:"):  # a builtin TimeoutError too, as hivemind's
+        dht.wait_until_ready(timeout=0.01)
+    dht.wait_until_ready(timeout=10)  # it went on starting
+    assert dht.is_alive()
+    dht.shutdown()
+
+
 def test_bootstrap_failure_is_raised_and_the_peer_is_stopped(network: MemoryNetwork) -> None:
     nobody = memory_address(PeerID(bytes(32)))
-    with pytest.raises(BootstrapFailed, match="help:"):
+    with pytest.raises(BootstrapFailed, match="(?i)failed to connect to bootstrap peers.*help:"):
         make_dht(network, nobody)
     assert network.peers() == []
 

@@ -13,7 +13,10 @@ import pytest
 import torch
 
 import kit
+from kit.averaging.control import AveragingStage
+from kit.dht import Ed25519SignatureValidator
 from kit.errors import ConfigError
+from kit.p2p.identity import Identity
 from tests.optim.reference import make_model, target_batch_size, train_reference
 
 pytestmark = [pytest.mark.processes, pytest.mark.sockets]
@@ -156,6 +159,11 @@ def test_bad_arguments_fail_at_construction() -> None:
                 average_opt_statistics=("exp_avg_sq",),
             ),
             dict(optimizer=torch.optim.Adam(model.parameters()), extra_tensors=[[1.0]]),
+            dict(  # auxiliary peers help gradient rounds, and local updates have none
+                optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                auxiliary=True,
+                use_local_updates=True,
+            ),
         ]
         for case in cases:
             with pytest.raises(ConfigError, match="help:"):
@@ -220,5 +228,62 @@ def test_non_finite_gradients_are_skipped_and_never_sent(caplog: pytest.LogCaptu
                 torch.equal(a, b) for a, b in zip(opt._accumulated._sums, before, strict=True)
             )  # ...nor added
             assert all(torch.isfinite(a).all() for a in opt._accumulated._sums)
+        finally:
+            opt.shutdown()
+
+
+def test_a_lone_first_peer_with_hivemind_options_trains_at_once() -> None:
+    """hivemind's test_optimizer, the kit way: averager_opts win over kit's defaults, the first
+    peer's load_state_from_peers returns at once, and the hivemind names are there."""
+    model = make_model()
+    key = Identity.generate()
+    with kit.DHT(host="127.0.0.1", client_mode=False) as dht:
+        opt = kit.Optimizer(
+            dht=dht,
+            run_id="lone",
+            target_batch_size=8,
+            batch_size_per_step=4,
+            optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+            params=model.parameters(),
+            matchmaking_time=0.3,
+            averaging_timeout=5.0,
+            averager_opts={"request_timeout": 0.25},
+            tracker_opts={"private_key": key, "max_refresh_period": 1.0},
+        )
+        try:
+            assert opt.state_averager.settings.request_timeout == 0.25  # the user's value
+            assert opt.grad_averager is not None and opt.scheduled_grads is None
+            assert opt.tracker._validator.local_owner == Ed25519SignatureValidator(key).local_owner
+            started = time.monotonic()
+            assert opt.load_state_from_peers() is False  # nobody else: at once, as hivemind
+            assert time.monotonic() - started < 2.0
+            while opt.local_epoch < 2:
+                model(torch.randn(4, 8)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                time.sleep(0.05)
+            assert opt.local_epoch == opt.tracker.global_epoch == 2
+            assert opt.scheduled_grads is not None and opt.scheduled_grads.done()
+            assert opt.scheduled_grads.stage is AveragingStage.FINISHED
+            assert opt.tracker.performance_ema.samples_per_second > 0
+            assert opt.is_alive() and opt.tracker.is_alive()
+        finally:
+            opt.shutdown()
+        assert not opt.is_alive() and not opt.tracker.is_alive()
+        assert not opt.grad_averager.is_alive()
+
+
+def test_local_updates_have_no_gradient_averager() -> None:
+    model = make_model()
+    with kit.DHT(host="127.0.0.1", client_mode=False) as dht:
+        opt = kit.Optimizer(
+            dht=dht,
+            run_id="local",
+            target_batch_size=8,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            use_local_updates=True,
+        )
+        try:
+            assert opt.grad_averager is None and opt.scheduled_grads is None  # as hivemind
         finally:
             opt.shutdown()

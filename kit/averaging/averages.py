@@ -1,0 +1,129 @@
+"""What an aggregator sends back for each chunk of its part: the average, or a sender's difference.
+
+Holds ``OutgoingAverages`` (per chunk of this peer's part, once the reducer completed it: one
+encoding of the average for every sender, or, with a lossy codec, each sender's own difference
+from what it sent) and ``is_lossless``. It does not reduce anything (``partition``/``robust``)
+or touch a stream (``allreduce``).
+
+Why differences (hivemind's ``AllReduceRunner`` returns deltas too): with a lossy codec a sender
+that received the compressed average would carry a second rounding of the whole average. It
+receives ``compress(average - sent)`` instead and adds it to its own exact values, so only a
+small difference is rounded (fp16: mean squared error under hivemind's 1e-5 bound). A lossless
+codec sends the average itself, the same bytes for every sender: a full exact round leaves every
+member bit-identical, which kit.optim relies on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+from typing import Any
+
+import torch
+
+from kit.averaging.chunk_stream import decode_chunk
+from kit.averaging.compression import (
+    AdaptiveCompressionBase,
+    CompressionBase,
+    CompressionInfo,
+    NoCompression,
+)
+from kit.averaging.partition import PartitionPlan, PartReducer
+from kit.errors import NonFiniteLocalTensor
+from kit.p2p import wire
+
+Encoded = tuple[bytes, memoryview | None]  # a chunk header, then its payload (None: no payload)
+Sent = torch.Tensor | tuple[dict[str, Any], bytes]  # a sender's chunk: values, or still encoded
+
+
+def is_lossless(compression: CompressionBase, info: CompressionInfo) -> bool:
+    """Whether ``compression`` sends this chunk exactly (NoCompression, possibly adaptively)."""
+    codec = compression
+    while isinstance(codec, AdaptiveCompressionBase):
+        codec = codec.choose_compression(info)
+    return isinstance(codec, NoCompression)
+
+
+class OutgoingAverages:
+    """The averages of one part, as each sender's stream gets them.
+
+    Args:
+        plan, reducer: the round's plan and this peer's reducer of its part.
+        compression: the codec of the chunks.
+        sender_bits: per sender, its bit in a chunk's ``peers`` mask.
+    """
+
+    def __init__(
+        self,
+        plan: PartitionPlan,
+        reducer: PartReducer,
+        compression: CompressionBase,
+        sender_bits: Mapping[Any, int],
+    ) -> None:
+        self.plan, self.reducer, self.compression = plan, reducer, compression
+        self.sender_bits = sender_bits
+        self.lossy = [
+            not is_lossless(compression, plan.compression_info(c)) for c in reducer.chunks
+        ]
+        self._shared: list[Encoded | None] = [None] * len(reducer.chunks)  # lossless, or empty
+        self._done = [False] * len(reducer.chunks)
+        self._sent: dict[tuple[Hashable, int], Sent] = {}  # lossy chunks: what each sender sent
+
+    def __len__(self) -> int:
+        return len(self._done)
+
+    def done(self, chunk: int) -> bool:
+        return self._done[chunk]
+
+    def keep_sent(self, sender: Hashable, chunk: int, sent: Sent) -> None:
+        """Keep what ``sender`` sent for ``chunk`` (accepted into the average) for its delta."""
+        if 0 <= chunk < len(self.lossy) and self.lossy[chunk]:
+            self._sent[(sender, chunk)] = sent
+
+    def complete(self, chunk: int) -> None:
+        """The reducer completed ``chunk``: encode it now, unless senders get their own deltas."""
+        if self.reducer.averaged(chunk) is None:
+            self.nobody(chunk)
+            return
+        if not self.lossy[chunk]:
+            self._shared[chunk] = self._encode(chunk, None)
+        self._done[chunk] = True
+
+    def nobody(self, chunk: int) -> None:
+        """Nobody gets ``chunk`` (no sender delivered it, or its reduction failed)."""
+        self._shared[chunk] = wire.packb({"chunk": chunk, "peers": 0}), None
+        self._done[chunk] = True
+
+    def for_sender(self, sender: Hashable, chunk: int) -> Encoded:
+        """What ``sender``'s stream gets for a done ``chunk``: the shared encoding, or its own
+        difference (the average itself if its chunk did not make it into the average)."""
+        shared = self._shared[chunk]
+        if shared is not None:
+            return shared
+        sent = self._sent.pop((sender, chunk), None)
+        if sent is None:
+            return self._encode(chunk, None)
+        if not isinstance(sent, torch.Tensor):
+            spec = self.reducer.chunks[chunk]
+            dtype = self.plan.tensors[spec.tensor_index].dtype
+            sent = decode_chunk(sent[0], memoryview(sent[1]), spec, dtype)
+        return self._encode(chunk, sent)
+
+    def _encode(self, chunk: int, sent: torch.Tensor | None) -> Encoded:
+        """The average of ``chunk``, minus ``sent`` if given (a sender's delta)."""
+        spec = self.reducer.chunks[chunk]
+        averaged = self.reducer.averaged(chunk)
+        assert averaged is not None, "only chunks someone delivered are encoded"
+        mask = 0
+        for sender in self.reducer.delivered[chunk]:
+            mask |= self.sender_bits[sender]
+        dtype = self.plan.tensors[spec.tensor_index].dtype
+        values = averaged if sent is None else averaged - sent.float()
+        values = values if dtype == torch.float32 else values.to(dtype)
+        try:
+            serialized = self.compression.compress(values, self.plan.compression_info(spec))
+        except NonFiniteLocalTensor:  # the weighted sum overflowed: nobody gets this chunk
+            return wire.packb({"chunk": chunk, "peers": 0}), None
+        fields = {"chunk": chunk, "peers": mask, "delta": sent is not None}
+        return wire.packb({**fields, **serialized.header()}), memoryview(serialized.buffer).cast(
+            "B"
+        )
