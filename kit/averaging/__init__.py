@@ -7,14 +7,18 @@ Pure cores (no networking, no clocks), in dependency order:
     partition.py           tensors -> parts -> chunks, the aggregator's reducer, the round report
     matchmaking.py         who averages with whom: the group-assembly state machine
     group.py               the assembled group and the join messages, as they travel
+    control.py             one step's stage, trigger and result (hivemind's ``StepControl``)
+    averages.py            what an aggregator sends back: the average, or each sender's delta
 
 With I/O (asyncio, over ``kit.p2p`` streams and ``kit.dht``):
 
     chunk_stream.py        how one chunk travels on a stream, and the buffers it lands in
     allreduce.py           one peer's side of one butterfly all-reduce round
     matchmaking_driver.py  the state machine's driver (DHT, join streams), the stream router
+    state_sharing.py       ``load_state_from_peers``: donors by priority, the state on the wire
     settings.py            the averager's settings
-    averager.py            ``DecentralizedAverager`` (blocking) over ``AsyncAverager`` (asyncio)
+    async_averager.py      ``AsyncAverager``: steps, retries and served streams on the event loop
+    averager.py            ``DecentralizedAverager``: the blocking facade (hivemind's API)
 
 The public classes are re-exported here (lazily) under hivemind's names, so that
 ``from kit.averaging import DecentralizedAverager, Float16Compression`` reads like hivemind
@@ -43,7 +47,9 @@ _CODEC_NAMES = frozenset(
 )
 
 
-_AVERAGER_NAMES = frozenset({"AsyncAverager", "DecentralizedAverager", "RoundResult"})
+_AVERAGER_NAMES = frozenset(
+    {"AsyncAverager", "DecentralizedAverager", "RoundResult", "StepControl"}
+)
 
 
 def __getattr__(name: str) -> Any:

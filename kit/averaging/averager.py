@@ -51,7 +51,7 @@ T = TypeVar("T")
 IGNORED_HIVEMIND_OPTIONS = frozenset({"daemon", "shutdown_timeout"})
 UNSUPPORTED_HIVEMIND_OPTIONS = frozenset({"tensor_infos"})
 
-__all__ = ["AsyncAverager", "AveragingMode", "DecentralizedAverager", "RoundResult"]
+__all__ = ["AsyncAverager", "AveragingMode", "DecentralizedAverager", "RoundResult", "StepControl"]
 
 
 class DecentralizedAverager:

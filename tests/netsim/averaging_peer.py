@@ -56,6 +56,7 @@ def run_peer(args: argparse.Namespace) -> dict[str, Any]:
 
     from kit.averaging import DecentralizedAverager
     from kit.dht import DHT
+    from kit.errors import AveragingFailed
 
     torch.set_num_threads(1)
     if os.environ.get("KIT_NETSIM_LOG"):  # debugging a scenario: every peer logs to stderr
@@ -101,7 +102,10 @@ def run_peer(args: argparse.Namespace) -> dict[str, Any]:
                 tensors[0].copy_(own)
             _barrier(run_dir, f"r{r}", i, n)
             started, cpu_started = time.perf_counter(), time.process_time()
-            outcome = averager.step(timeout=60.0)
+            try:
+                outcome = averager.step(timeout=60.0)
+            except AveragingFailed:
+                outcome = None
             total = time.perf_counter() - started
             cpu = time.process_time() - cpu_started  # all threads: the runtime's loop does the work
             if outcome is None:
