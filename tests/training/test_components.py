@@ -186,7 +186,8 @@ def test_local_updates_and_delayed_averaging_reach_kit_optimizer(dht) -> None:
     try:
         assert local.use_local_updates and not local.delay_optimizer_step
         assert delayed.delay_optimizer_step and delayed.delay_grad_averaging
-        assert local.grad_averager.settings.robust_aggregation == "mean"
+        assert local.grad_averager is None  # as hivemind: local updates average no gradients
+        assert local.state_averager.settings.robust_aggregation == "mean"
     finally:
         local.shutdown()
         delayed.shutdown()
