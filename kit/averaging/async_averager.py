@@ -285,7 +285,12 @@ class AsyncAverager:
         task = asyncio.current_task()
         if task is not None:
             self._tasks.add(task)
-        control.attach(None if task is None else lambda: loop.call_soon_threadsafe(task.cancel))
+
+        def cancel_task() -> None:  # called by control.cancel(), from any thread
+            if task is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(task.cancel)
+
+        control.attach(cancel_task)
         try:
             async with self._step_lock:
                 result = await self._attempts(control)

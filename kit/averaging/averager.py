@@ -158,6 +158,8 @@ class DecentralizedAverager:
                 timeout,
             )
             self._client_mode = self._core.client_mode
+            if self._client_mode:  # found out only now (the DHT's peer chose client mode)
+                self._allow_state_sharing = False
 
     def is_alive(self) -> bool:
         """Serving (started, not shut down, its DHT running)."""

@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 
+from kit.averaging.allreduce import AveragingMode
 from kit.averaging.control import STAGE_TRANSITIONS, AveragingStage, StepControl
 from kit.dht.node import get_dht_time
 from kit.errors import AveragingFailed, ConfigError, KitUsageError
@@ -146,3 +147,12 @@ def test_hivemind_calls_that_cannot_work_are_refused() -> None:
         with pytest.raises(ConfigError, match="help:"):
             alone.step(gather={"batch_size": 32})
         assert alone.last_step is None  # nothing was started
+
+
+def test_mode_and_peer_id_name_each_averager_as_hivemind_does() -> None:
+    with averagers(2, clients=(1,)) as (node, client):
+        assert (node.mode, client.mode) == (AveragingMode.NODE, AveragingMode.CLIENT)
+        assert node.peer_id != client.peer_id and node.is_alive()
+    with averagers(1, auxiliary=True) as (auxiliary,):
+        assert auxiliary.mode is AveragingMode.AUX and not auxiliary.allow_state_sharing
+    assert not auxiliary.is_alive()  # shut down
