@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from kit.averaging.allreduce import cancel_and_wait
 from kit.dht.node import DHTNode, get_dht_time
 from kit.errors import (
     ConfigError,
@@ -160,9 +161,8 @@ class StateSharing:
     async def shutdown(self) -> None:
         if self._router is not None and self._router.donors.get(self.prefix) is self:
             del self._router.donors[self.prefix]
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        if self._task is not None:  # cancelled again until it ends (see cancel_and_wait)
+            await cancel_and_wait([self._task], 5.0)
 
     def configure(self, *, allow: bool | None = None, priority: float | None = None) -> None:
         """Change what is declared (from any thread); the DHT is updated at once."""

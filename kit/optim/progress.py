@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from kit.averaging.allreduce import cancel_and_wait
 from kit.dht.node import DHTNode, get_dht_time
 from kit.dht.validation import Ed25519SignatureValidator
 from kit.errors import ConfigError, KitError, TransientError
@@ -242,9 +243,8 @@ class ProgressTracker:
         self._task = asyncio.ensure_future(self._run())
 
     async def shutdown(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        if self._task is not None:  # cancelled again until it ends (CPython gh-86296)
+            await cancel_and_wait([self._task], 5.0)
 
     # --- local progress ------------------------------------------------------------------
 
