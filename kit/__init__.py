@@ -30,6 +30,8 @@ Map of the package (data flows down this list; each room imports only rooms abov
     evaluate.py      the researcher's entry module (evaluation/ holds its parts)
     testing/         fake Hugging Face Hub, network namespaces (tests and dry runs)
     cli.py           the ``kit`` command
+    utils.py,        hivemind's ``hivemind.utils`` / ``hivemind.compression`` names, re-exported
+    compression.py   for ported scripts (``import kit as hivemind``)
 
 Importing kit does nothing global: no threads, no logging configuration, no network.
 """
