@@ -113,10 +113,12 @@ class AllReduceRunner:
         timeouts: Timeouts,
         buffers: RoundBuffers,
         aggregation: Aggregation | None = None,
+        lossy_deltas: bool = True,
     ) -> None:
         """``aggregation``: how this peer reduces its own part; None or "mean": the streamed
         weighted mean; "centered_clip": ``kit.averaging.robust`` (the whole part is gathered
-        first, so its averages go back only once every sender's part is in)."""
+        first, so its averages go back only once every sender's part is in). ``lossy_deltas``:
+        see ``OutgoingAverages``."""
         me = group.index(peer.peer_id)
         assert me is not None, "the runner's peer must be a member of the group"
         self.peer, self.prefix, self.group, self.me = peer, prefix, group, me
@@ -136,7 +138,9 @@ class AllReduceRunner:
         self._averages = (  # what each sender's stream gets for each chunk of our part
             None
             if self.reducer is None
-            else OutgoingAverages(plan, self.reducer, compression, self.sender_bits)
+            else OutgoingAverages(
+                plan, self.reducer, compression, self.sender_bits, deltas=lossy_deltas
+            )
         )
         self._ready = 0  # chunks 0.._ready-1 of our part are averaged and encoded
         self._progress = asyncio.Event()
@@ -241,8 +245,8 @@ class AllReduceRunner:
                     continue
                 target = self.plan.chunk_view(self.tensors, spec)
                 if part.part_index == self.me:
-                    assert self.reducer is not None
-                    averaged = self.reducer.averaged(spec.chunk_index)
+                    assert self._averages is not None
+                    averaged = self._averages.local_average(spec.chunk_index)
                     if averaged is not None:
                         target.copy_(averaged)
                 else:

@@ -409,6 +409,7 @@ class AsyncAverager:
                 timeouts,
                 self.buffers,
                 self.settings.aggregation,
+                self.settings.lossy_deltas,
             )
             self._runners[group.group_id] = runner
             registered, self._registered = self._registered, asyncio.Event()

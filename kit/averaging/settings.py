@@ -45,6 +45,7 @@ class AveragerSettings:
     client_mode: bool | None = None  # True: accepts no connections (aggregates nothing); None: as the DHT's peer
     auxiliary: bool = False  # aggregates for others but contributes no tensors (a helper with bandwidth)
     compression: CompressionBase = dataclasses.field(default_factory=NoCompression)  # codec of every chunk
+    lossy_deltas: bool = True  # lossy codec: each sender gets its compressed difference to the average (hivemind); False: one shared average
     robust_aggregation: str = "mean"  # "centered_clip" if peers may send garbage (kit.averaging.robust); costs senders x part memory
     clip_tau: float | None = None  # CenteredClip radius; None: median distance per round. Lower it if bad peers still move the loss
     clip_iterations: int = 20  # CenteredClip steps at most; lower it if reducing a big part is slow, raise it if tau is tiny

@@ -184,10 +184,6 @@ class Optimizer(StateSharing, GlobalStep, torch.optim.Optimizer):
         self.averaging_timeout = averaging_timeout or 60.0
         self.matchmaking_time = matchmaking_time or 15.0
         self.verbose = verbose
-        # Exact codec: averaged gradients are bit-identical on every member (state_averaging.py).
-        self._exact_gradients = grad_compression is None or isinstance(
-            grad_compression, NoCompression
-        )
         # False when this peer's inner optimizer computes differently from the others' (8-bit
         # statistics chosen by its memory plan): its steps are never bit-identical to theirs,
         # so every round marks it drifted and parameter averaging pulls it back.
@@ -257,8 +253,16 @@ class Optimizer(StateSharing, GlobalStep, torch.optim.Optimizer):
                 dht,
                 prefix=f"{run_id}_grad_averager",
                 compression=grad_compression or NoCompression(),
-                **averaging,
+                # gradients of different batches: one shared average has the smaller error
+                # with a lossy codec, and every member steps with the same bytes (averages.py)
+                **{"lossy_deltas": False, **averaging},
             )
+        # Bit-identical averaged gradients on every member (state_averaging.py): an exact codec,
+        # or one shared lossy average that every member decodes alike (averages.py).
+        self._exact_gradients = self.grad_averager is not None and (
+            not self.grad_averager.settings.lossy_deltas
+            or isinstance(grad_compression or NoCompression(), NoCompression)
+        )
         self.state_averager = DecentralizedAverager(
             self._state_buffers,
             dht,

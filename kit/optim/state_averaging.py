@@ -10,8 +10,9 @@ group holds bit-identical averaged gradients: each part is reduced once, by its 
 same bytes go to every member. Members that start an epoch with identical parameters and optimizer
 statistics and apply the identical gradient with the same optimizer end it identical too, so an
 averaging round would only average equal numbers. Parameters drift apart only when a round failed
-or was partial, when gradients travel through a lossy codec, when a peer missed a round (no
-samples, late), or by rounding on different hardware. So:
+or was partial, when a lossy codec sends each member its own difference (hivemind's scheme; kit's
+gradient rounds send one shared average that every member decodes alike, ``averages.py``), when
+a peer missed a round (no samples, late), or by rounding on different hardware. So:
 
 * a peer whose gradient round was not full and exact, or whose group was smaller than the peers
   its tracker sees at that epoch (the group may have split), marks itself *drifted*, and publishes

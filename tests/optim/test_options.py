@@ -165,6 +165,20 @@ def test_parameters_are_averaged_only_while_drifted() -> None:
 
 
 @pytest.mark.async_timeout(200)
+def test_a_lossy_gradient_codec_keeps_peers_identical_without_parameter_rounds() -> None:
+    """fp16 gradients: every member decodes the same shared average (averaging/averages.py), so
+    after the fresh peers' one parameter round the two stay bit-identical, and no more rounds."""
+    opts, models, stats = run_pair(
+        average_state_every=1, grad_compression=kit.Float16Compression()
+    )
+    assert all(opt._exact_gradients for opt in opts)
+    for stat in stats:
+        assert stat["full_rounds"] == 1 and stat["partial_rounds"] == 0
+    first, second = ([p.detach().reshape(-1) for p in m.parameters()] for m in models)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
+@pytest.mark.async_timeout(200)
 def test_local_updates_average_parameters_named_statistics_and_extra_tensors() -> None:
     """use_local_updates: each peer steps on its own shard, so parameters and Adam's moments
     differ; every epoch's round averages the parameters, exp_avg_sq and the extra tensors (not
