@@ -27,6 +27,7 @@ from kit.errors import (
 )
 from kit.p2p import wire
 from kit.p2p.connection import Channel, Message, message_bytes, wait_bounded
+from kit.p2p.frame_auth import TAG_SIZE
 from kit.p2p.handshake import (
     DialerHandshake,
     HandshakeSettings,
@@ -40,9 +41,20 @@ from kit.p2p.wire import Refusal
 
 logger = logging.getLogger(__name__)
 
-#: websockets' max_size: the largest frame kit sends plus its header, with room to spare.
-#: Anything larger is cut off by websockets itself (close code 1009, "message too big").
+#: The largest websocket message any kit peer may send: a DATA frame of the largest
+#: ``max_frame`` a hello may announce, plus its header, with room to spare (relayed frames).
 WEBSOCKET_MAX_SIZE = 16 * 1024**2 + 4096
+
+
+def websocket_max_size(max_frame: int) -> int:
+    """The largest websocket message a peer that announced ``max_frame`` accepts: one DATA frame
+    of ``max_frame`` bytes (or a control frame), its header and its authentication tag.
+
+    Peers never send DATA frames larger than the receiver announced, so anything larger is
+    refused at the websocket header (close code 1009) before a byte of it is buffered: a
+    hostile peer cannot make this peer hold 16 MiB per connection with one frame header.
+    """
+    return max(max_frame, wire.MAX_CONTROL_PAYLOAD) + wire.HEADER_SIZE + TAG_SIZE
 
 
 class WebSocketChannel:
@@ -126,7 +138,8 @@ async def _recv_frame(channel: Channel, timeout: float) -> wire.Frame:
     return wire.decode_frame(data, 0)
 
 
-async def _refuse(channel: Channel, error: HandshakeRefused) -> None:
+async def refuse(channel: Channel, error: HandshakeRefused) -> None:
+    """Tell the remote side why its handshake is refused (bounded in time), then close."""
     with contextlib.suppress(Exception):
         await asyncio.wait_for(channel.send(refusal_frame(error)), 1.0)
     await channel.close()
@@ -137,7 +150,7 @@ async def _authorize(channel: Channel, authorizer: Authorizer, remote: RemoteHel
         await authorizer.authorize(remote)
     except AuthError as e:
         refusal = HandshakeRefused(Refusal.AUTH.value, f"{remote.peer_id} is not authorized: {e}")
-        await _refuse(channel, refusal)
+        await refuse(channel, refusal)
         raise refusal from e
 
 
@@ -148,10 +161,10 @@ async def _refusing_on_error(channel: Channel) -> AsyncIterator[None]:
         yield
     except HandshakeRefused as e:
         if e.reason != Refusal.AUTH.value:  # _authorize already sent its own refusal
-            await _refuse(channel, e)
+            await refuse(channel, e)
         raise
     except (RemoteProtocolError, BadSignature) as e:
-        await _refuse(channel, HandshakeRefused(Refusal.PROTOCOL.value, str(e)))
+        await refuse(channel, HandshakeRefused(Refusal.PROTOCOL.value, str(e)))
         raise
     except BaseException:
         await channel.close()

@@ -41,21 +41,23 @@ from kit.errors import (
     HandshakeRefused,
     KitTimeout,
     KitUsageError,
-    LocalProtocolError,
+    MalformedFrame,
     PeerError,
     PeerUnavailable,
     RemoteProtocolError,
+    Revoked,
 )
 from kit.p2p import reachability, relay
 from kit.p2p.address import Address, parse_address
 from kit.p2p.api import DEFAULT_MAX_MESSAGE, StreamHandler, UnaryHandler
 from kit.p2p.channel import (
-    WEBSOCKET_MAX_SIZE,
     Authorizer,
     OpenAuthorizer,
     WebSocketChannel,
     accept_handshake,
     dial_handshake,
+    refuse,
+    websocket_max_size,
 )
 from kit.p2p.connection import Channel, Connection, Stream, wait_bounded
 from kit.p2p.frame_auth import AuthenticatedChannel
@@ -64,6 +66,7 @@ from kit.p2p.identity import Identity, IdentityLock, PeerID, load_identity
 from kit.p2p.mux import MuxLimits
 from kit.p2p.relay import RelayLimits
 from kit.p2p.websocket import FastWebSocketChannel
+from kit.p2p.websockets_log import WEBSOCKETS_LOG
 from kit.p2p.wire import Refusal, ResetCode
 
 logger = logging.getLogger(__name__)
@@ -197,14 +200,16 @@ class Peer:
             self.options.host,
             self.options.port,
             compression=None,  # permessage-deflate costs 20x throughput on tensors (measured here)
-            max_size=WEBSOCKET_MAX_SIZE,
+            max_size=websocket_max_size(self.options.limits.max_frame),
             max_queue=4,
             write_limit=2**20,
             ping_interval=None if self.options.fast_framing else self.options.keepalive_interval,
             ping_timeout=self.options.keepalive_timeout,
             close_timeout=1.0,
+            open_timeout=self.options.handshake_timeout,  # slowloris: the HTTP upgrade too
             ssl=ssl_context,
             process_request=self._serve_http,
+            logger=WEBSOCKETS_LOG,  # what strangers cause: one DEBUG line each, no traceback
         )
         secure = ssl_context is not None
         for sock in self._server.sockets:
@@ -416,7 +421,7 @@ class Peer:
             websocket = await websockets.asyncio.client.connect(
                 address.url,
                 compression=None,
-                max_size=WEBSOCKET_MAX_SIZE,
+                max_size=websocket_max_size(self.options.limits.max_frame),
                 max_queue=4,
                 write_limit=2**20,
                 open_timeout=timeout,
@@ -425,6 +430,7 @@ class Peer:
                 else self.options.keepalive_interval,
                 ping_timeout=self.options.keepalive_timeout,
                 ssl=ssl_context,
+                logger=WEBSOCKETS_LOG,
                 **_proxy_options(address),
             )
         except (OSError, EOFError, InvalidHandshake, InvalidURI, asyncio.TimeoutError) as e:
@@ -435,9 +441,14 @@ class Peer:
         if not self.options.fast_framing:
             return WebSocketChannel(websocket, address.url)
         # The listener sends nothing before our HELLO, so nothing is buffered in websockets yet.
-        return self._take_over(
-            websocket, is_client=True, remote_address=address.url, remote_host=None
-        )
+        try:
+            return self._take_over(
+                websocket, is_client=True, remote_address=address.url, remote_host=None
+            )
+        except PeerError:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(websocket.close(), 1.0)
+            raise
 
     def _take_over(
         self,
@@ -448,15 +459,18 @@ class Peer:
         remote_host: str | None,
         pending: tuple[bytes, ...] = (),
     ) -> FastWebSocketChannel:
-        leftover = bytes(websocket.protocol.reader.buffer)
-        if leftover:  # never expected (see callers); refuse rather than lose bytes silently
-            raise LocalProtocolError(f"{len(leftover)} bytes buffered by websockets at takeover")
+        early = _received_beyond(websocket)
+        if early:  # the remote did not wait for our HELLO (see callers): never lose them silently
+            raise MalformedFrame(
+                f"{remote_address} sent {early} more bytes or messages before our HELLO, which a "
+                "dialer must wait for (its AUTH signs our nonce) - help: upgrade kit there"
+            )
         return FastWebSocketChannel(
             websocket.transport,
             is_client=is_client,
             remote_address=remote_address,
             remote_host=remote_host,
-            max_size=WEBSOCKET_MAX_SIZE,
+            max_size=websocket_max_size(self.options.limits.max_frame),
             keepalive_interval=self.options.keepalive_interval,
             keepalive_timeout=self.options.keepalive_timeout,
             on_lost=websocket.connection_lost,
@@ -514,6 +528,14 @@ class Peer:
                 hello = await wait_bounded(
                     channel.recv(), self.options.handshake_timeout, "waiting for HELLO"
                 )
+                if _received_beyond(websocket):  # e.g. HELLO and AUTH in one write: refuse now
+                    refusal = HandshakeRefused(
+                        Refusal.PROTOCOL.value,
+                        "frames arrived after the HELLO, before ours: a dialer must wait for our "
+                        "HELLO (its AUTH signs our nonce) - help: upgrade kit on the dialing side",
+                    )
+                    await refuse(channel, refusal)
+                    raise refusal
                 channel = self._take_over(
                     websocket,
                     is_client=False,
@@ -529,10 +551,13 @@ class Peer:
                 timeout=self.options.handshake_timeout,
             )
         except (HandshakeRefused, PeerError, KitTimeout) as e:
-            logger.info("refused connection from %s: %s", channel.remote_address, e)
+            # Anyone can send garbage or half a handshake: one DEBUG line each, never more. A
+            # banned user coming back holds a token signed by the authority: the organizer's news.
+            level = logging.INFO if isinstance(e.__cause__, Revoked) else logging.DEBUG
+            logger.log(level, "refused connection from %s: %s", channel.remote_address, e)
             return
         except Exception as e:
-            logger.info(
+            logger.debug(
                 "handshake with %s failed: %s: %s", channel.remote_address, type(e).__name__, e
             )
             return
@@ -659,6 +684,17 @@ class Peer:
     def __repr__(self) -> str:
         mode = "client" if self._client_mode else "public"
         return f"<Peer {self.peer_id.short()} {mode} {len(self._connections)} connections>"
+
+
+def _received_beyond(websocket: Any) -> int:
+    """Bytes and messages ``websockets`` holds that nobody has read yet (0 before a takeover)."""
+    buffered = len(websocket.protocol.reader.buffer)
+    frames = getattr(getattr(websocket, "recv_messages", None), "frames", None)
+    try:
+        queued = len(frames) if frames is not None else 0
+    except TypeError:  # another websockets version's queue: the raw buffer check remains
+        queued = 0
+    return buffered + queued
 
 
 def _proxy_options(address: Address) -> dict[str, Any]:

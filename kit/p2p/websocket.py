@@ -45,6 +45,11 @@ def apply_mask(buffer: bytearray | memoryview, key: bytes) -> None:
         view[index] ^= key[index % 4]
 
 
+def _uninitialized(size: int) -> memoryview:
+    """A writable buffer of ``size`` bytes whose pages cost memory only once written to."""
+    return memoryview(np.empty(size, dtype=np.uint8)).cast("B")  # type: ignore[arg-type]
+
+
 def mask_into(
     destination: memoryview, source: bytes | bytearray | memoryview, key: bytes, phase: int
 ) -> None:
@@ -85,26 +90,29 @@ class FrameReader:
     def __init__(self, *, expect_masked: bool, max_size: int) -> None:
         self.expect_masked = expect_masked
         self.max_size = max_size
-        self.messages: collections.deque[bytes | bytearray] = collections.deque()
+        self.messages: collections.deque[bytes | bytearray | memoryview] = collections.deque()
         self.replies: list[tuple[int, bytes]] = []
         self.closed_by_peer = False
-        self.stage = bytearray(_STAGE_SIZE)
+        # np.empty, not bytearray: nothing is zero-filled, so the pages of a buffer become
+        # resident only as bytes arrive in them. A peer that declares a large frame and sends
+        # nothing (or an idle connection) costs no memory (found by tests/p2p/test_fuzz.py).
+        self.stage = _uninitialized(_STAGE_SIZE)
         self.start = self.end = 0  # unparsed bytes are stage[start:end]
-        self.payload: bytearray | None = None  # a large payload being read directly
+        self.payload: memoryview | None = None  # a large payload being read directly
         self.payload_filled = 0
         self.payload_frame: tuple[int, bool, bytes | None] = (0, True, None)
-        self.fragments: list[bytes | bytearray] = []
+        self.fragments: list[bytes | bytearray | memoryview] = []
         self.fragments_size = 0
 
     def buffer(self) -> memoryview:
         """Where the next bytes from the socket should go."""
         if self.payload is not None:
-            return memoryview(self.payload)[self.payload_filled :]
+            return self.payload[self.payload_filled :]
         if self.end == len(self.stage):  # compact: move the unparsed tail to the front
             tail = self.end - self.start
             self.stage[:tail] = self.stage[self.start : self.end]
             self.start, self.end = 0, tail
-        return memoryview(self.stage)[self.end :]
+        return self.stage[self.end :]
 
     def received(self, size: int) -> None:
         """``size`` bytes were written into the last ``buffer()``; parse what is complete."""
@@ -164,12 +172,12 @@ class FrameReader:
         body_start = self.start + offset
         have = self.end - body_start
         if have >= length:
-            payload = self.stage[body_start : body_start + length]
-            self.start = body_start + length
+            payload = bytearray(self.stage[body_start : body_start + length])  # a copy: the
+            self.start = body_start + length  # stage is reused for the next bytes
             self._frame_done(opcode, fin, key, payload)
             return True
         if length >= _DIRECT_READ or offset + length > len(self.stage):
-            self.payload = bytearray(length)
+            self.payload = _uninitialized(length)
             self.payload[:have] = self.stage[body_start : self.end]
             self.payload_filled = have
             self.payload_frame = (opcode, fin, key)
@@ -177,7 +185,9 @@ class FrameReader:
             return False
         return False  # a small frame still arriving in the stage buffer
 
-    def _frame_done(self, opcode: int, fin: bool, key: bytes | None, payload: bytearray) -> None:
+    def _frame_done(
+        self, opcode: int, fin: bool, key: bytes | None, payload: bytearray | memoryview
+    ) -> None:
         if key is not None:
             apply_mask(payload, key)
         if opcode == OP_PING:
@@ -229,6 +239,10 @@ class FastWebSocketChannel(asyncio.BufferedProtocol):
         self._can_write = asyncio.Event()
         self._can_write.set()
         self._error: Exception | None = None
+        # A protocol error in what the peer sent: recv() raises it (after the messages before
+        # it), so that the connection answers with a GOAWAY naming it before closing.
+        self._read_error: MalformedFrame | FrameTooLarge | None = None
+        self._close_code = 1000
         self._on_lost = on_lost
         self._loop = asyncio.get_running_loop()
         self._last_received = self._loop.time()
@@ -261,6 +275,8 @@ class FastWebSocketChannel(asyncio.BufferedProtocol):
         while not self._reader.messages:
             if self._error is not None:
                 raise self._error
+            if self._read_error is not None:
+                raise self._read_error
             self._message_ready.clear()
             await self._message_ready.wait()
         message = self._reader.messages.popleft()
@@ -274,13 +290,14 @@ class FastWebSocketChannel(asyncio.BufferedProtocol):
         GOAWAY with the reason) are not lost to a TCP reset."""
         if self._error is None:
             with contextlib.suppress(Exception):
-                self._write(OP_CLOSE, struct.pack("!H", 1000))
+                self._write(OP_CLOSE, struct.pack("!H", self._close_code))
             self._fail(ConnectionLost(f"websocket to {self.remote_address} closed locally"))
-            if not self._transport.is_reading():
-                self._transport.resume_reading()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._peer_closed.wait(), 1.0)
-        self._transport.close()
+            if self._read_error is None:  # else what follows is unparseable: just hang up
+                if not self._transport.is_reading():
+                    self._transport.resume_reading()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._peer_closed.wait(), 1.0)
+        self._transport.close()  # after our queued frames (the GOAWAY) are written
 
     def write_buffer_size(self) -> int:
         """Bytes written but not yet handed to the kernel (for memory accounting)."""
@@ -293,14 +310,17 @@ class FastWebSocketChannel(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self._last_received = self._loop.time()
+        if self._read_error is not None:
+            return  # the stream is unparseable from here on; we are closing
         try:
             self._reader.received(nbytes)
         except (MalformedFrame, FrameTooLarge) as e:
-            code = 1009 if isinstance(e, FrameTooLarge) else 1002
-            with contextlib.suppress(Exception):
-                self._write(OP_CLOSE, struct.pack("!H", code))
-            self._fail(ConnectionLost(f"websocket to {self.remote_address}: {e}"))
-            self._transport.close()
+            # As for any protocol error: the connection's reader gets it from recv() and sends a
+            # GOAWAY with the reason, then close() sends close code 1009 or 1002.
+            self._read_error = e
+            self._close_code = 1009 if isinstance(e, FrameTooLarge) else 1002
+            self._transport.pause_reading()
+            self._message_ready.set()
             return
         if self._error is not None:  # closing: drain and drop until the peer's close frame
             self._reader.messages.clear()

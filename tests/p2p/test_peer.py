@@ -468,3 +468,43 @@ async def test_http_routes_share_the_websocket_port() -> None:
             0
         ] == 426  # websockets: "Upgrade Required"
         assert await b.call(a.peer_id, "echo", b"", timeout=5)  # websockets unaffected
+
+
+async def test_hello_and_auth_in_one_write_are_refused_at_once() -> None:
+    """A dialer must wait for the listener's HELLO (its AUTH signs the listener's nonce). One
+    that sends more in the same write used to have it lost at the takeover, then waited for the
+    handshake timeout; now it is refused at once, with the reason."""
+    import base64
+    import struct
+
+    from kit.p2p.websocket import OP_BINARY, apply_mask, frame_header
+
+    def masked(payload: bytes) -> bytes:
+        key = os.urandom(4)
+        body = bytearray(payload)
+        apply_mask(body, key)
+        return frame_header(OP_BINARY, len(payload), key) + bytes(body)
+
+    async with peers(1, handshake_timeout=10.0) as (a,):
+        reader, writer = await asyncio.open_connection("127.0.0.1", a.listen_port)
+        key = base64.b64encode(os.urandom(16)).decode()
+        writer.write(
+            f"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode()
+        )
+        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        hello = DialerHandshake(Identity.generate(), HandshakeSettings(run_id="test")).hello()
+        auth = wire.encode_control(FrameType.AUTH, 0, {"sig": b"\0" * 64})
+        started = time.monotonic()
+        writer.write(masked(hello) + masked(auth))  # one write
+        first, second = await asyncio.wait_for(reader.readexactly(2), 5)
+        length = second & 0x7F
+        if length == 126:
+            (length,) = struct.unpack("!H", await reader.readexactly(2))
+        frame = wire.decode_frame(await reader.readexactly(length), 0)
+        assert frame.type is FrameType.GOAWAY
+        code, message = wire.decode_reason(frame.payload, "GOAWAY")
+        assert code == "protocol_error" and "must wait for our HELLO" in message
+        await asyncio.wait_for(reader.read(), 5)  # then it hangs up: EOF within 5 s
+        assert time.monotonic() - started < 3.0  # not the 10 s handshake timeout
+        writer.close()

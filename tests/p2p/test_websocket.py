@@ -138,3 +138,34 @@ async def test_takeover_of_a_closed_transport_leaves_no_task_behind() -> None:
     assert asyncio.all_tasks() == before  # no keepalive task was started
     server.close()
     await server.wait_closed()
+
+
+def test_a_declared_frame_costs_memory_only_as_its_bytes_arrive() -> None:
+    """A frame header declaring 8 MiB, then silence: the buffer is there, but untouched pages
+    are not resident. Zero-filled (bytearray) buffers made 16 such connections cost 128 MiB
+    (found by tests/p2p/test_fuzz.py: hostile peers grew the process by 100+ MiB)."""
+    import psutil
+
+    key, declared = b"abcd", 8 * 1024**2
+    readers = [FrameReader(expect_masked=True, max_size=16 * 1024**2) for _ in range(16)]
+    before = psutil.Process().memory_info().rss
+    for reader in readers:
+        feed(reader, frame_header(OP_BINARY, declared, key) + os.urandom(100), 4096)
+        assert reader.payload is not None and len(reader.payload) == declared
+    growth = psutil.Process().memory_info().rss - before
+    assert growth < 16 * 1024**2, f"{growth / 2**20:.0f} MiB resident for 1.6 KB received"
+
+
+@pytest.mark.parametrize("max_frame", [64 * 1024, 1024**2])
+def test_the_websocket_bound_follows_the_announced_frame_size(max_frame: int) -> None:
+    from kit.p2p import wire
+    from kit.p2p.channel import websocket_max_size
+    from kit.p2p.frame_auth import TAG_SIZE
+
+    bound = websocket_max_size(max_frame)
+    assert bound == max(max_frame, wire.MAX_CONTROL_PAYLOAD) + wire.HEADER_SIZE + TAG_SIZE
+    reader = FrameReader(expect_masked=True, max_size=bound)
+    feed(reader, websockets_frame(Opcode.BINARY, b"x" * bound), 65536)  # the largest: accepted
+    assert len(reader.messages[0]) == bound
+    with pytest.raises(FrameTooLarge):  # one byte more is refused at its header, unread
+        feed(reader, frame_header(OP_BINARY, bound + 1, b"abcd"), 64)
