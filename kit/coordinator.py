@@ -209,7 +209,9 @@ class Coordinator:
         )
         self._load_revocations()
         # The coordinator's own peer needs a token too: issued by itself.
-        authorizer = AllowlistAuthorizer.for_coordinator(peer_identity, self.issuer)
+        authorizer = AllowlistAuthorizer.for_coordinator(
+            peer_identity, self.issuer, check_period=self.config.access.check_seconds
+        )
         authorizer.update_revocations(self.issuer.revocations)
         return authorizer
 
@@ -292,7 +294,7 @@ class Coordinator:
         peer = node.peer
         access = self.config.access
         if self.issuer is not None:
-            from kit.auth import Allowlist, follow_revocations, serve_token_endpoint
+            from kit.auth import Allowlist, serve_token_endpoint
 
             allowlist = Allowlist(
                 usernames=frozenset(access.usernames),
@@ -302,15 +304,9 @@ class Coordinator:
             self.token_endpoint = serve_token_endpoint(
                 peer, self.issuer, allowlist, hf_endpoint=self.options.hf_endpoint
             )
-            authorizer = peer.authorizer
+            # Our peer's session guard (kit.auth.sessions) follows the list like every peer's.
             if self.issuer.revocations.usernames or self.issuer.revocations.peer_public_keys:
                 await self._apply_revocations(node, self.issuer.revocations)  # kept from before
-            peer.spawn(
-                follow_revocations(
-                    node, authorizer, self.config.collaboration.run_id, peer=peer, period=30.0
-                ),
-                "revocations",
-            )
         run_id = self.config.collaboration.run_id
         self.collector = MetricsCollector(
             node,

@@ -144,6 +144,7 @@ class Volunteer:
                 authority_public_key=self.info.authority_public_key,
                 ssl_context=self.ssl_context,
                 allow_insecure_http=self.allow_insecure_http,
+                check_period=self.config.access.check_seconds,  # bans apply within this
             ),
             timeout=60.0,
         )

@@ -13,11 +13,13 @@ Tokens come from a *token source*, an async callable ``source(peer_public_key) -
 :class:`~kit.auth.endpoint.HttpTokenSource` asks the coordinator's token endpoint (volunteers),
 :class:`IssuerTokenSource` signs in process (the coordinator's own peer).
 
-Admission is checked once per connection; a revocation also closes current connections when
-:func:`enforce_revocations` runs (:func:`follow_revocations` does it for lists from the DHT).
-Established sessions are not re-checked when a token expires: a token admits a connection, it is
-not a session key. The session is protected by ``kit.p2p`` itself: the authorizer is ``private``,
-which turns on per-frame authentication with keys derived in the handshake (``kit.p2p.frame_auth``).
+Admission is checked at each handshake; established connections are checked by the peer's
+:class:`~kit.auth.sessions.SessionGuard`, which :meth:`AllowlistAuthorizer.attach` starts with
+every peer: every ``check_period`` seconds it reads the revocation list from the DHT (once the
+peer's DHT node is attached, :meth:`AllowlistAuthorizer.follow_dht`), closes connections of
+banned users and keys, and closes connections whose token expired without a renewal. The
+session itself is protected by ``kit.p2p``: the authorizer is ``private``, which turns on
+per-frame authentication with keys derived in the handshake (``kit.p2p.frame_auth``).
 
 What this module does not do: HTTP (``kit.auth.endpoint``), signing tokens
 (``kit.auth.authority``), the record format (``kit.auth.tokens``, ``kit.auth.revocation``).
@@ -28,11 +30,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from kit.auth.authority import COORDINATOR_USERNAME, TokenIssuer
 from kit.auth.revocation import RevocationList, fetch_revocations
+from kit.auth.sessions import SessionGuard
 from kit.auth.tokens import AccessToken, verify_token
 from kit.errors import (
     AuthError,
@@ -99,6 +103,9 @@ class AllowlistAuthorizer:
             background. Increase this if you see TokenServiceUnavailable / TokenExpired around
             token renewals (a slow or briefly unreachable coordinator).
         fetch_timeout: seconds one token request may take. Increase this on slow links.
+        check_period: seconds between the session guard's checks (the revocation list from the
+            DHT, expired tokens of established connections). Decrease this if banned peers stay
+            connected too long; increase it if the DHT is busy on swarms of hundreds of peers.
         clock: returns the current Unix time (tests pass a fake one).
     """
 
@@ -115,6 +122,7 @@ class AllowlistAuthorizer:
         clock_skew: float = 60.0,
         refresh_before: float = 120.0,
         fetch_timeout: float = 30.0,
+        check_period: float = 30.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         for name, value in (("clock_skew", clock_skew), ("refresh_before", refresh_before)):
@@ -123,11 +131,12 @@ class AllowlistAuthorizer:
                     f"AllowlistAuthorizer: {name}={value!r} must be in [0, 86400) s - help: "
                     "keep the default (clock_skew=60, refresh_before=120)"
                 )
-        if not fetch_timeout > 0:
-            raise ConfigError(
-                f"AllowlistAuthorizer: fetch_timeout={fetch_timeout!r} must be > 0 s - help: "
-                "keep the default (30)"
-            )
+        for name, value in (("fetch_timeout", fetch_timeout), ("check_period", check_period)):
+            if not 0 < value < 24 * 3600:
+                raise ConfigError(
+                    f"AllowlistAuthorizer: {name}={value!r} must be in (0, 86400) s - help: "
+                    "keep the default (30)"
+                )
         if len(authority_public_key) != 32:
             raise ConfigError(
                 "AllowlistAuthorizer: authority_public_key must be the raw 32-byte Ed25519 key "
@@ -138,6 +147,7 @@ class AllowlistAuthorizer:
         self.clock_skew = clock_skew
         self.refresh_before = refresh_before
         self.fetch_timeout = fetch_timeout
+        self.check_period = check_period
         self._source = token_source
         self._clock = clock
         self._token: AccessToken | None = None
@@ -145,6 +155,7 @@ class AllowlistAuthorizer:
         self._refreshing: asyncio.Future[None] | None = None
         self._next_background_refresh = 0.0
         self._revocations: dict[str, RevocationList] = {}
+        self._guards: weakref.WeakKeyDictionary[Peer, SessionGuard] = weakref.WeakKeyDictionary()
 
     @classmethod
     def for_coordinator(
@@ -156,6 +167,37 @@ class AllowlistAuthorizer:
         )
         authorizer.update_revocations(issuer.revocations)
         return authorizer
+
+    def clock(self) -> float:
+        """The current Unix time, as this authorizer reads it."""
+        return self._clock()
+
+    # --- the peer's session guard ---------------------------------------------------------
+
+    def attach(self, peer: Peer) -> SessionGuard:
+        """Start checking ``peer``'s established connections (``kit.p2p.peer`` calls this when
+        the peer starts): a :class:`~kit.auth.sessions.SessionGuard` task the peer owns."""
+        guard = SessionGuard(peer, self, period=self.check_period)
+        self._guards[peer] = guard
+        peer.spawn(guard.run(), "session-guard")
+        return guard
+
+    def follow_dht(self, node: DHTNode) -> None:
+        """Read the run's revocation list through ``node`` at every check (``kit.dht.node``
+        calls this when the peer's DHT node starts)."""
+        guard = self._guards.get(node.peer)  # type: ignore[call-overload]
+        if guard is None:
+            return
+        run_id = guard.run_id
+
+        def fetch() -> Awaitable[RevocationList | None]:
+            return fetch_revocations(node, self.authority_public_key, run_id)
+
+        guard.fetch = fetch
+
+    def session_guard(self, peer: Peer) -> SessionGuard | None:
+        """The guard checking ``peer``'s connections (None if it was not started with it)."""
+        return self._guards.get(peer)
 
     @property
     def token(self) -> AccessToken | None:
@@ -201,6 +243,13 @@ class AllowlistAuthorizer:
         logger.debug(
             "new access token for %r, expires at %.0f", token.username, token.expiration_time
         )
+
+    def keep_fresh(self) -> None:
+        """Renew this peer's token in the background if it is due (never waits)."""
+        now = self._clock()
+        token = self._token
+        if token is None or now >= token.expiration_time - self.refresh_before:
+            self._refresh_in_background(now)
 
     def _refresh_task(self) -> asyncio.Future[None]:
         if self._refreshing is None or self._refreshing.done():
@@ -281,12 +330,20 @@ class AllowlistAuthorizer:
         return AccessToken.from_bytes(remote.credentials)
 
     def _check_revoked(self, token: AccessToken, remote: RemoteHello, now: float) -> None:
-        revocations = self._revocations.get(remote.run_id)
+        self.check_token_revoked(token, remote.public_key, now, run_id=remote.run_id)
+
+    def check_token_revoked(
+        self, token: AccessToken, peer_public_key: bytes, now: float, *, run_id: str | None = None
+    ) -> None:
+        """Raise :class:`~kit.errors.Revoked` if the user ``token`` names, or the key, is
+        banned in the run (``run_id``, default the token's) at ``now``."""
+        run = token.run_id if run_id is None else run_id
+        revocations = self._revocations.get(run)
         if revocations is None:
             return
-        reason = revocations.reason(token.username, remote.public_key, now)
+        reason = revocations.reason(token.username, peer_public_key, now)
         if reason is not None:
-            raise Revoked(f"{reason} - help: ask the organizer of run {remote.run_id!r} why")
+            raise Revoked(f"{reason} - help: ask the organizer of run {run!r} why")
 
     # --- revocations ----------------------------------------------------------------------
 
@@ -317,10 +374,8 @@ class AllowlistAuthorizer:
 def enforce_revocations(peer: Peer, authorizer: AllowlistAuthorizer) -> list[PeerID]:
     """Close ``peer``'s connections to revoked users and keys; returns whom it disconnected."""
     closed = []
-    for peer_id in peer.connected_peers():
-        connection = peer.connection(peer_id)
-        if connection is None:
-            continue
+    for connection in peer.all_connections():
+        peer_id = connection.remote_peer
         try:
             authorizer.check_revoked(connection.remote)
         except Revoked as e:

@@ -48,6 +48,7 @@ class AccessConfig:
     coordinator: str | None = None  # kit address of the coordinator, e.g. /dns/host/tcp/443/wss/p2p/ID
     bootstrap_peers: tuple[str, ...] = ()  # more public peers (`kit dht`) volunteers join and relay through
     token_lifetime: float = 1_800.0  # seconds a token is valid; lower = removals apply sooner, more renewals
+    check_seconds: float = 30.0  # every peer re-reads the ban list and checks tokens this often; lower = bans apply sooner
     # fmt: on
 
     SECTION: ClassVar[str] = "access"
@@ -88,6 +89,13 @@ class AccessConfig:
             hint="use at least 60 seconds (kit's default: 1800)",
         )
         store_normalized(self, "token_lifetime", lifetime)
+        check = check_number(
+            f"{where}.check_seconds",
+            self.check_seconds,
+            minimum=0.5,
+            hint="use 0.5 s or more (kit's default: 30); each check reads the DHT once",
+        )
+        store_normalized(self, "check_seconds", check)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "access") -> AccessConfig:

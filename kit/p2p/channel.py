@@ -104,7 +104,10 @@ class Authorizer(Protocol):
     """Decides who may connect. ``kit.auth`` provides the allowlist authorizer; default: open.
 
     An authorizer with a true ``private`` attribute also turns on frame authentication
-    (``kit.p2p.frame_auth``) for every connection it admits.
+    (``kit.p2p.frame_auth``) for every connection it admits. One with an ``attach(peer)``
+    method gets it called when the peer starts (``kit.auth`` starts its session guard there,
+    which re-checks established connections), and ``kit.dht`` calls ``follow_dht(node)`` when
+    the peer's DHT node starts.
     """
 
     async def credentials(self) -> bytes:

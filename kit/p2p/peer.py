@@ -166,6 +166,9 @@ class Peer:
     # --- lifecycle -----------------------------------------------------------------------
 
     async def _start(self, initial_peers: Sequence[str]) -> None:
+        attach = getattr(self.authorizer, "attach", None)
+        if callable(attach):  # private runs: re-check established connections (kit.auth)
+            attach(self)
         if self.options.relay_service:
             self.relay_service = relay.RelayService(self, self.options.relay_limits)
         reachability.serve_dialback(self)
@@ -356,6 +359,10 @@ class Peer:
             pending.add_done_callback(lambda _: self._dials.pop(key, None))
             pending.add_done_callback(_consume_exception)
         return await wait_bounded(asyncio.shield(pending), timeout, f"dialing {parsed}")
+
+    def all_connections(self) -> list[Connection]:
+        """Every open connection, including ones draining after a duplicate was replaced."""
+        return [connection for connection in self._all_connections if not connection.closed]
 
     def connected_peers(self) -> list[PeerID]:
         return [p for p, c in self._connections.items() if not c.closed]
