@@ -2,8 +2,10 @@
 
 Read in this order: ``tokens`` (the signed access token, pure) → ``revocation`` (the signed ban
 list and its DHT transport) → ``authority`` (Hub identity, the allowlist, the coordinator's
-token issuer) → ``authorizer`` (the ``kit.p2p`` handshake hook every peer runs) → ``endpoint``
-(``GET /api/token`` on the coordinator, and the volunteer's client).
+token issuer) → ``sessions`` (every peer re-checks its established connections: bans, expired
+tokens) → ``authorizer`` (the ``kit.p2p`` handshake hook every peer runs) → ``login_limits``
+(what a login may cost the Hub, pure) → ``endpoint`` (``GET /api/token`` on the coordinator)
+→ ``token_client`` (the volunteer's client of it).
 
 The flow::
 
@@ -33,20 +35,16 @@ from kit.auth.authorizer import (
     enforce_revocations,
     follow_revocations,
 )
-from kit.auth.endpoint import (
-    TOKEN_PATH,
-    HttpTokenSource,
-    TokenEndpoint,
-    TokenResponse,
-    authorizer_from_coordinator,
-    serve_token_endpoint,
-)
+from kit.auth.endpoint import TOKEN_PATH, TokenEndpoint, serve_token_endpoint
+from kit.auth.login_limits import LoginLimits
 from kit.auth.revocation import (
     RevocationList,
     fetch_revocations,
     publish_revocations,
     revocation_key,
 )
+from kit.auth.sessions import SessionGuard
+from kit.auth.token_client import HttpTokenSource, TokenResponse, authorizer_from_coordinator
 from kit.auth.tokens import AccessToken, verify_token
 
 __all__ = [
@@ -58,7 +56,9 @@ __all__ = [
     "HttpTokenSource",
     "HubUser",
     "IssuerTokenSource",
+    "LoginLimits",
     "RevocationList",
+    "SessionGuard",
     "TokenEndpoint",
     "TokenIssuer",
     "TokenResponse",

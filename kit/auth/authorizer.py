@@ -10,7 +10,7 @@ fresh nonces, so a recorded handshake cannot be replayed and a copied token cann
 another key.
 
 Tokens come from a *token source*, an async callable ``source(peer_public_key) -> AccessToken``:
-:class:`~kit.auth.endpoint.HttpTokenSource` asks the coordinator's token endpoint (volunteers),
+:class:`~kit.auth.token_client.HttpTokenSource` asks the coordinator's token endpoint (volunteers),
 :class:`IssuerTokenSource` signs in process (the coordinator's own peer).
 
 Admission is checked at each handshake; established connections are checked by the peer's

@@ -168,7 +168,9 @@ class SessionGuard:
             held = self.token_of(connection)
             if held is None or token.expiration_time > held.expiration_time:
                 self._renewed[remote] = token
-                logger.debug("%s renewed its token until %.0f", remote.short(), token.expiration_time)
+                logger.debug(
+                    "%s renewed its token until %.0f", remote.short(), token.expiration_time
+                )
         except (AuthError, PeerError, KitTimeout) as e:
             logger.debug("no renewed token from %s: %s", remote.short(), e)
         finally:

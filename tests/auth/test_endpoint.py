@@ -159,3 +159,122 @@ async def test_a_coordinator_with_another_authority_key_is_not_trusted() -> None
         trusting = await authorizer_from_coordinator(run.url, TOKENS["alice"], Identity.generate())
         assert trusting.authority_public_key == run.issuer.authority_public_key
         assert trusting.token is not None and trusting.token.username == "alice"
+
+
+def get_with_headers(url: str, headers: dict[str, str]) -> tuple[int, dict[str, object], str]:
+    """(status, JSON body, Retry-After header)."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(urllib.request.Request(url, headers=headers), timeout=10) as answer:
+            return answer.status, json.loads(answer.read()), answer.headers.get("Retry-After", "")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read()), e.headers.get("Retry-After", "")
+
+
+def whoami_calls(run) -> int:  # type: ignore[no-untyped-def]
+    return len([r for r in run.hub.requests if r.path == "/api/whoami-v2"])
+
+
+async def test_bogus_tokens_cost_the_hub_a_handful_of_calls_and_logins_go_on() -> None:
+    """50 bogus tokens from one address used to make 50 Hub calls, and could get the coordinator
+    rate-limited by the Hub (everyone's logins and renewals with it)."""
+    async with allowlisted_run() as run:
+        key = b58encode(Identity.generate().public_key)
+        url = f"{run.url}/api/token?peer_public_key={key}"
+        attacker = {"X-Forwarded-For": "203.0.113.66"}  # via a reverse proxy on this machine
+        answers = [
+            await asyncio.to_thread(
+                get_with_headers, url, {**attacker, "Authorization": f"Bearer hf_bogus_{i}"}
+            )
+            for i in range(50)
+        ]
+        assert whoami_calls(run) == 5  # the per-address burst
+        assert [status for status, _, _ in answers[:5]] == [401] * 5
+        for status, body, retry_after in answers[5:]:
+            assert (status, body["error"]) == (429, "rate_limited")
+            assert int(retry_after) >= 1 and "help: retry in" in str(body["message"])
+        # A bogus token repeated is answered from the cache (after its address' limit too).
+        for _ in range(20):
+            answer = await asyncio.to_thread(
+                get_with_headers,
+                url,
+                {"X-Forwarded-For": "198.51.100.7", "Authorization": "Bearer hf_bogus_0"},
+            )
+            assert answer[0] == 401
+        assert whoami_calls(run) == 5
+        # alice logs in meanwhile (another address), and renews without asking the Hub again.
+        source = HttpTokenSource(run.url, TOKENS["alice"])
+        for _ in range(5):
+            assert (await source(Identity.generate().public_key)).username == "alice"
+        assert whoami_calls(run) == 6
+        # The client raises a transient error for a 429 (the authorizer retries those).
+        errors = []
+        for i in range(8):  # this address (the test's) spent one lookup on alice
+            try:
+                await HttpTokenSource(run.url, f"hf_more_{i}")(Identity.generate().public_key)
+            except (InvalidHubToken, TokenServiceUnavailable) as e:
+                errors.append(e)
+        assert [type(e) for e in errors] == [InvalidHubToken] * 4 + [TokenServiceUnavailable] * 4
+        assert "retry in" in str(errors[-1])
+
+
+async def test_lookups_at_once_are_bounded_and_one_token_is_looked_up_once(monkeypatch) -> None:
+    import concurrent.futures
+    import threading
+    import time
+
+    from kit.auth import endpoint as endpoint_module
+    from kit.auth.authority import HubUser
+
+    running, most, calls, answered = [0], [0], [], []
+    lock = threading.Lock()
+    release = threading.Event()  # the Hub answers once the test lets it
+
+    def slow_whoami(hf_token: str, *, endpoint: str | None = None) -> HubUser:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+            calls.append(hf_token)
+        release.wait(10)
+        with lock:
+            running[0] -= 1
+        return HubUser("alice")
+
+    monkeypatch.setattr(endpoint_module, "hub_user", slow_whoami)
+    async with allowlisted_run() as run:
+        key = b58encode(Identity.generate().public_key)
+        url = f"{run.url}/api/token?peer_public_key={key}"
+
+        def ask(client: int, token: str) -> int:
+            headers = {"X-Forwarded-For": f"10.1.0.{client}", "Authorization": f"Bearer {token}"}
+            status = get_with_headers(url, headers)[0]
+            answered.append(status)
+            return status
+
+        # The clients' threads of their own: the endpoint's lookups use the loop's executor.
+        clients = concurrent.futures.ThreadPoolExecutor(max_workers=28)
+        loop = asyncio.get_running_loop()
+        # 20 requests with one HF token at once: one lookup.
+        asked = asyncio.gather(
+            *(loop.run_in_executor(clients, ask, 1, "hf_same") for _ in range(20))
+        )
+        await asyncio.sleep(0.5)  # all 20 are in
+        release.set()
+        assert await asked == [200] * 20 and calls == ["hf_same"]
+        # 28 addresses with a token each, at once: 4 lookups run, 16 wait, and 8 are told at
+        # once to come back later (429), without reaching the Hub.
+        calls.clear()
+        answered.clear()
+        release.clear()
+        asked = asyncio.gather(
+            *(loop.run_in_executor(clients, ask, 2 + i, f"hf_distinct_{i}") for i in range(28))
+        )
+        deadline = time.monotonic() + 10
+        while answered.count(429) < 8:
+            assert time.monotonic() < deadline, f"answered so far: {answered}"
+            await asyncio.sleep(0.05)
+        assert len(calls) == 4 and answered == [429] * 8  # the Hub sees 4, the others wait
+        release.set()
+        assert sorted(await asked) == [200] * 20 + [429] * 8
+        assert most[0] == 4 and len(calls) == 20
+        clients.shutdown()
