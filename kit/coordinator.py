@@ -35,6 +35,17 @@ from kit.remote_run import RUN_INFO_PATH
 
 logger = logging.getLogger(__name__)
 
+#: The ``access:`` fields /api/run shows anyone who asks: what a volunteer's peer needs. The
+#: allowlist (user and organization names) stays with the coordinator.
+PUBLIC_ACCESS_FIELDS = (
+    "open",
+    "authority_public_key",
+    "coordinator",
+    "bootstrap_peers",
+    "token_lifetime",
+    "check_seconds",
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class CoordinatorOptions:
@@ -406,11 +417,14 @@ class Coordinator:
         return self.http_url + "/"
 
     def run_info(self, base: str | None = None) -> dict[str, Any]:
-        """``GET /api/run``: all a volunteer needs to join (``base``: ``scheme://host`` it used)."""
+        """``GET /api/run``: what a volunteer needs to join, and nothing else: not the allowlist
+        (``base``: the ``scheme://host`` it used)."""
         authority = self.config.access.authority_public_key
+        config = self.config.to_dict()
+        config["access"] = {k: v for k, v in config["access"].items() if k in PUBLIC_ACCESS_FIELDS}
         return {
             "run_id": self.config.collaboration.run_id,
-            "config": self.config.to_dict(),
+            "config": config,
             "config_hash": self.config.config_hash(),
             "initial_peers": self.addresses + list(self.config.access.bootstrap_peers),
             "authority_public_key": authority,

@@ -101,7 +101,9 @@ def test_allowlisted_run_leaderboard_checkpoints_and_restart(tmp_path, hub) -> N
     volunteer = None
     try:
         info = fetch_run_info(coordinator.join_url)
-        assert info.config == config and info.config_hash == config.config_hash()
+        public = dataclasses.replace(config.access, usernames=(), organizations=())
+        assert info.config == dataclasses.replace(config, access=public)  # no allowlist
+        assert info.config_hash == config.config_hash()
         assert info.tokenizer_url is not None
 
         # An unlisted Hub user gets a clear refusal and no token.
@@ -341,3 +343,39 @@ def test_volunteers_join_an_allowlisted_coordinator_over_wss(tmp_path, hub) -> N
             assert volunteer.trainer.local_steps == 3
         finally:
             volunteer.stop()
+
+
+def test_the_run_info_shows_what_a_volunteer_needs_and_not_the_allowlist(tmp_path, hub) -> None:
+    """/api/run (and the dashboard's /api/metrics) answer anyone: no user or org names there."""
+    port = free_port()
+    access = dataclasses.replace(
+        RunConfig().access,
+        usernames=("alice", "bob"),
+        organizations=("secret-lab",),
+        authority_public_key=create_authority(tmp_path / "coordinator"),
+        coordinator=f"/ip4/127.0.0.1/tcp/{port}/ws",
+    )
+    config = dataclasses.replace(RunConfig(), access=access)
+    options = CoordinatorOptions(
+        host="127.0.0.1",
+        port=port,
+        state_dir=str(tmp_path / "coordinator"),
+        hf_endpoint=hub.endpoint,
+        auxiliary_peer=False,
+    )
+    coordinator = Coordinator(config, options)
+    coordinator.start()
+    try:
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        for path in ("/api/run", "/api/metrics"):
+            body = opener.open(coordinator.http_url + path, timeout=10).read().decode()
+            for name in ("alice", "bob", "secret-lab"):
+                assert name not in body, f"{path} shows {name!r}"
+        info = fetch_run_info(coordinator.join_url)  # what a volunteer reads still joins
+        assert info.config_hash == config.config_hash()
+        assert info.authority_public_key is not None and info.initial_peers
+        assert info.config.access.coordinator == access.coordinator
+        assert info.config.access.check_seconds == access.check_seconds
+        assert Volunteer(coordinator.join_url, work_dir=tmp_path / "a").login("hf_alice") == "alice"
+    finally:
+        coordinator.shutdown()
