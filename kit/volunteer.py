@@ -269,6 +269,7 @@ class Volunteer:
             )
 
         trainer.add_step_listener(on_step)
+        trainer.optimizer.add_round_listener(self.reporter.attest_round)  # credit is attested
 
     def _follow_leaderboard(self) -> None:
         """Keep "my rank" in the status fresh: a task owned by this peer, cancelled with it."""

@@ -70,6 +70,7 @@ class RoundResult:
     plan: PartitionPlan  # where each part's chunks are in the tensors (report.parts[i] ~ plan.parts[i])
     matchmaking_time: float  # seconds until the group was known
     allreduce_time: float  # seconds of the all-reduce
+    weights: tuple[float, ...] = ()  # each member's weight in the average, as the group agreed
 
     @property
     def is_full(self) -> bool:
@@ -362,7 +363,13 @@ class AsyncAverager:
             "bytes_received": runner.bytes_received,
         }
         return RoundResult(
-            group.group_id, group.peers, report, plan, matchmaking_time, allreduce_time
+            group.group_id,
+            group.peers,
+            report,
+            plan,
+            matchmaking_time,
+            allreduce_time,
+            group.weights,
         )
 
     async def _await_trigger(self, control: StepControl, group: GroupInfo) -> None:

@@ -18,6 +18,13 @@ was issued to the very key that signed the record), so nobody is credited under 
 name; records failing it are dropped. In open runs the self-declared name is used and shown as
 unverified.
 
+How much a user is credited with is, in authenticated runs, not what its peers claim: a book
+with an :class:`~kit.metrics.ledger.AttestationLedger` (the collector's) caps each user's
+claimed samples at what the other members of its peers' averaging rounds attested
+(:meth:`MetricsBook.add_attestations`), and flags a claim that exceeds that by more than about
+three rounds' worth (rounds in flight, records not yet read). A peer claiming 777 samples it
+never averaged is credited nothing for them, and the leaderboard row says ``"flagged": true``.
+
 No I/O and no clock here: every method that needs the time takes ``now``. The book serializes
 to JSON (:meth:`MetricsBook.to_json`) so the coordinator resumes counts after a restart.
 
@@ -30,66 +37,26 @@ import json
 import logging
 import math
 import statistics
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from kit.auth.revocation import RevocationList
-from kit.auth.tokens import AccessToken, verify_token
-from kit.errors import AuthError, MetricsStateError
+from kit.errors import MetricsStateError
+from kit.metrics.attestations import AttestationRecord
+from kit.metrics.ledger import AttestationLedger
 from kit.metrics.records import ContributionRecord
+from kit.metrics.verification import Verifier
 from kit.p2p.identity import PeerID
 
 logger = logging.getLogger(__name__)
 
-#: ``verify(owner_public_key, record, now)`` → the verified user name, or None to drop the record.
-Verifier = Callable[[bytes, ContributionRecord, float], "str | None"]
-STATE_VERSION = 1
+#: A claim is flagged when it exceeds the attested credit by more than this many of the user's
+#: largest rounds (one accumulating, one or two not yet attested or read) ...
+FLAG_ROUNDS = 3.0
+#: ... plus this many samples (a margin for the first round of a peer).
+FLAG_MARGIN = 64.0
+STATE_VERSION = 2
 ANONYMOUS = "anonymous"  # shown for open-run records that declare no user name
-
-
-def token_verifier(
-    authority_public_key: bytes,
-    run_id: str,
-    *,
-    clock_skew: float = 60.0,
-    revocations: Callable[[], RevocationList | None] | None = None,
-) -> Verifier:
-    """The verifier of authenticated runs: the user named by a valid access token, or None.
-
-    A record is credited only if its token is signed by the run's authority, is for ``run_id``,
-    has not expired (at ``now``, give or take ``clock_skew``), and names the very public key that
-    signed the record (its ``[owner:...]`` subkey). So a peer that copies another user's token
-    gains nothing: the token names the other user's key, not its own. ``revocations`` gives the
-    run's current (verified) revocation list: a revoked user or key is credited nothing more,
-    even while its token is still valid (what it contributed before stays).
-    """
-
-    def verify(owner: bytes, record: ContributionRecord, now: float) -> str | None:
-        if record.token is None:
-            logger.debug("dropping a metrics record without a token (peer %s)", _short(record))
-            return None
-        try:
-            token = AccessToken.from_bytes(record.token)
-            verify_token(
-                token,
-                authority_public_key,
-                now=now,
-                clock_skew=clock_skew,
-                peer_public_key=owner,
-                run_id=run_id,
-            )
-        except AuthError as e:
-            logger.debug("dropping a metrics record of peer %s: %s", _short(record), e)
-            return None
-        banned = revocations() if revocations is not None else None
-        reason = banned.reason(token.username, owner, now) if banned is not None else None
-        if reason is not None:
-            logger.debug("dropping a metrics record of peer %s: %s", _short(record), reason)
-            return None
-        return token.username
-
-    return verify
 
 
 @dataclass
@@ -153,6 +120,8 @@ class MetricsBook:
         max_points: loss-curve points kept (the oldest are dropped).
         max_sessions: sessions kept; beyond it the least recently seen are folded into their
             user's totals (a folded session that comes back would count again from zero).
+        ledger: round attestations (authenticated runs): users are credited at most what the
+            other members of their rounds attested. None = claims are credited as they are.
     """
 
     def __init__(
@@ -165,8 +134,10 @@ class MetricsBook:
         open_epochs: int = 2,
         max_points: int = 20_000,
         max_sessions: int = 50_000,
+        ledger: AttestationLedger | None = None,
     ) -> None:
         self.verify = verify
+        self.ledger = ledger
         self.online_window = online_window
         self.max_clock_skew = max_clock_skew
         self.max_record_age = max_record_age
@@ -212,6 +183,8 @@ class MetricsBook:
             if verified_name is None:
                 return False
             username, verified = verified_name, True
+            if self.ledger is not None:
+                self.ledger.note_user(record.peer_id, username)
         if session is None:
             session = _Session(
                 username, verified, record.auxiliary, 0, 0.0, 0.0, now, record.epoch, 0, 0.0, ""
@@ -228,6 +201,22 @@ class MetricsBook:
         session.device = record.device
         self._add_to_curve(key, session, record)
         return True
+
+    def add_attestations(
+        self, records: Iterable[tuple[bytes, AttestationRecord]], now: float
+    ) -> int:
+        """Ingest round attestations, each with the public key that signed it; returns how many
+        round attestations were new (none without a ledger, or from unverified peers)."""
+        if self.ledger is None or self.verify is None:
+            return 0
+        added = 0
+        for owner, record in records:
+            if PeerID.from_public_key(owner).to_bytes() != record.peer_id:
+                continue
+            user = self.verify(owner, record, now)
+            if user is not None:
+                added += self.ledger.add(record.peer_id, user, record, now)
+        return added
 
     def _add_to_curve(self, key: str, session: _Session, record: ContributionRecord) -> None:
         self._top_epoch = max(self._top_epoch, record.epoch)
@@ -288,10 +277,28 @@ class MetricsBook:
             row["peers_online"] += int(self._online(session, now))
             row["last_seen"] = max(row["last_seen"] or 0.0, session.seen)
             row["verified"] = row["verified"] and session.verified
+        for row in users.values():
+            row["claimed"] = row["samples"]
+        self._cap_at_attested(users)
         rows = sorted(users.values(), key=lambda row: (-row["samples"], row["username"]))
         for rank, row in enumerate(rows, start=1):
             row["rank"] = rank
         return rows
+
+    def _cap_at_attested(self, users: dict[str, dict[str, Any]]) -> None:
+        """Credit each user at most what others attested; flag claims well beyond it."""
+        if self.ledger is None:
+            return
+        attested: dict[str, float] = {}
+        largest: dict[str, float] = {}
+        for peer_id, user in self.ledger.users().items():
+            attested[user] = attested.get(user, 0.0) + self.ledger.credit(peer_id)
+            largest[user] = max(largest.get(user, 0.0), self.ledger.largest_round(peer_id))
+        for name, row in users.items():
+            claimed, credit = row["samples"], attested.get(name, 0.0)
+            row["samples"] = int(min(claimed, credit))
+            row["attested"] = int(credit)
+            row["flagged"] = claimed > credit + FLAG_ROUNDS * largest.get(name, 0.0) + FLAG_MARGIN
 
     def summary(self, now: float) -> dict[str, Any]:
         """The collaboration at a glance (JSON-ready: unknown values are None, never inf)."""
@@ -337,6 +344,7 @@ class MetricsBook:
                 for epoch, p in self._open.items()
             },
             "closed": [point.to_dict() for point in self._closed.values()],
+            "ledger": self.ledger.to_state() if self.ledger is not None else None,
         }
         return json.dumps(state, separators=(",", ":"), allow_nan=False)
 
@@ -348,7 +356,7 @@ class MetricsBook:
         """
         try:
             state = json.loads(text)
-            if state.get("version") != STATE_VERSION:
+            if state.get("version") not in (1, STATE_VERSION):  # 1: before attestations
                 raise ValueError(f"version {state.get('version')!r}, expected {STATE_VERSION}")
             sessions = {str(k): _Session(**v) for k, v in state["sessions"].items()}
             retired = {
@@ -364,6 +372,9 @@ class MetricsBook:
             }
             closed = {int(p["epoch"]): LossPoint(**p) for p in state["closed"]}
             top_epoch = int(state["top_epoch"])
+            ledger_state = state.get("ledger")
+            if self.ledger is not None and ledger_state is not None:
+                self.ledger.load_state(ledger_state)
         except (ValueError, TypeError, KeyError, AttributeError) as e:
             raise MetricsStateError(
                 f"the saved metrics state is unreadable ({type(e).__name__}: {e}) - help: move "
@@ -384,17 +395,16 @@ def _session_key(record: ContributionRecord) -> str:
     return f"{record.peer_id.hex()}/{record.session}"
 
 
-def _short(record: ContributionRecord) -> str:
-    return record.peer_id.hex()[:12]
-
-
 def _row(
     name: str, samples: int, compute: float, online: int, seen: float | None, verified: bool
 ) -> dict[str, Any]:
     return {
         "rank": 0,
         "username": name,
-        "samples": samples,
+        "samples": samples,  # credited (capped at "attested" when the book has a ledger)
+        "claimed": samples,  # what the user's peers said they processed
+        "attested": None,  # what the other members of their rounds attested (ledger only)
+        "flagged": False,  # the claim exceeds what was attested (see FLAG_ROUNDS)
         "compute_hours": compute / 3600.0,
         "peers_online": online,
         "last_seen": seen,

@@ -17,17 +17,21 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kit.auth.revocation import RevocationList
 from kit.dht.node import DHTNode, get_dht_time
 from kit.dht.validation import DHTRecord, find_owners
 from kit.errors import ConfigError, KitError, KitUsageError, MetricsStateError
-from kit.metrics.book import LossPoint, MetricsBook, token_verifier
+from kit.metrics.attestations import AttestationRecord, attestations_key
+from kit.metrics.book import LossPoint, MetricsBook
 from kit.metrics.history import MetricsHistory
+from kit.metrics.ledger import AttestationLedger
 from kit.metrics.records import ContributionRecord, metrics_key
+from kit.metrics.verification import token_verifier
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def owned_records(value: Any) -> list[tuple[bytes, ContributionRecord]]:
@@ -36,7 +40,16 @@ def owned_records(value: Any) -> list[tuple[bytes, ContributionRecord]]:
     The DHT has verified each owner signature already; records without exactly one owner
     marker, or malformed, are skipped.
     """
-    records: list[tuple[bytes, ContributionRecord]] = []
+    return _owned(value, ContributionRecord.from_dict)
+
+
+def owned_attestations(value: Any) -> list[tuple[bytes, AttestationRecord]]:
+    """The well-formed records of a ``node.get(attestations_key)`` answer, with their signers."""
+    return _owned(value, AttestationRecord.from_dict)
+
+
+def _owned(value: Any, parse: Callable[[Any], T | None]) -> list[tuple[bytes, T]]:
+    records: list[tuple[bytes, T]] = []
     if not isinstance(value, dict):
         return records
     for subkey, entry in value.items():
@@ -45,7 +58,7 @@ def owned_records(value: Any) -> list[tuple[bytes, ContributionRecord]]:
         owners = find_owners(DHTRecord(b"", subkey, b"", 0.0))
         if len(owners) != 1:
             continue
-        record = ContributionRecord.from_dict(getattr(entry, "value", None))
+        record = parse(getattr(entry, "value", None))
         if record is not None:
             records.append((next(iter(owners)), record))
     return records
@@ -63,6 +76,9 @@ class MetricsCollector:
             user their access token names. None = open run (self-declared names, unverified).
         revocations: the run's current revocation list (the coordinator's authorizer holds it):
             revoked users and keys are credited nothing more.
+        attested: credit users at most what the other members of their averaging rounds
+            attested (``kit.metrics.ledger``); None = in authenticated runs (open runs have no
+            verified users to tell the members apart: claims are shown as unverified).
         state_path: where to keep the book across restarts (JSON); None = in memory only.
         period: seconds between fetches. Increase this on very large swarms.
         book: a preconfigured book (tests, custom windows); default: a new one.
@@ -81,11 +97,13 @@ class MetricsCollector:
         state_path: Path | None = None,
         period: float = 10.0,
         book: MetricsBook | None = None,
+        attested: bool | None = None,
     ) -> None:
         if not period > 0:
             raise ConfigError(f"MetricsCollector: period={period!r} must be > 0 seconds")
         self.node = node
         self.key = metrics_key(run_id)
+        self.attestations_key = attestations_key(run_id)
         self.period = period
         self.state_path = Path(state_path) if state_path is not None else None
         verify = None
@@ -94,6 +112,10 @@ class MetricsCollector:
         self.book = book or MetricsBook(verify)
         if book is not None and verify is not None:
             self.book.verify = verify
+        if attested is None:
+            attested = authority_public_key is not None
+        if attested and self.book.ledger is None:
+            self.book.ledger = AttestationLedger()
         self._task: asyncio.Task[None] | None = None
         self.fetches = 0  # completed fetches (diagnostics, tests)
         self.history = MetricsHistory()  # peers online and samples/s over time (the charts)
@@ -127,6 +149,10 @@ class MetricsCollector:
         records = owned_records(result.value if result is not None else None)
         now = get_dht_time()
         accepted = self.book.add(records, now)
+        if self.book.ledger is not None:
+            found = await self.node.get(self.attestations_key, latest=True)
+            attestations = owned_attestations(found.value if found is not None else None)
+            accepted += self.book.add_attestations(attestations, get_dht_time())
         self.fetches += 1
         summary = self.book.summary(now)
         self.history.add(now, summary["peers_online"], summary["samples_per_second"])

@@ -14,7 +14,7 @@ Everything here arrives from other machines: :meth:`ContributionRecord.from_dict
 finite numbers, string lengths and sizes, and returns None for anything malformed.
 
 What this module does not do: publishing (``reporter``), aggregation (``book``), fetching
-(``collector``), token checks (``book.token_verifier``).
+(``collector``), token checks (``verification.token_verifier``).
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from typing import Any
 from kit.dht.node import DHTNode, get_dht_time
 from kit.dht.validation import Ed25519SignatureValidator
 from kit.errors import ConfigError, KitError, KitUsageError
+from kit.metrics.attestations import AveragedRound, RoundAttestor
 from kit.metrics.records import ContributionRecord, metrics_key
 from kit.p2p.identity import Identity, PeerID
 
@@ -110,6 +111,9 @@ class MetricsReporter:
             auxiliary=auxiliary,
             device=device,
         )
+        # What this peer saw the members of its rounds contribute (kit.metrics.attestations):
+        # the coordinator credits the others with it, and this peer with theirs.
+        self.attestor = RoundAttestor(node, run_id, identity, token=token)
         self._last_store = -float("inf")  # get_dht_time() of the last successful store
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
@@ -128,6 +132,12 @@ class MetricsReporter:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self._task = self._loop.create_task(self._run(), name="kit-metrics-reporter")
+        self.attestor.start()
+
+    def attest_round(self, epoch: int, result: AveragedRound) -> None:
+        """Attest a gradient round's members and weights (``Optimizer.add_round_listener``;
+        any thread)."""
+        self.attestor.record(epoch, result)
 
     async def shutdown(self, *, final_store: bool = True) -> None:
         """Stop publishing; with ``final_store``, store the last counts first (bounded)."""
@@ -136,6 +146,7 @@ class MetricsReporter:
             return
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+        await self.attestor.shutdown()
         if final_store:
             try:
                 await asyncio.wait_for(self.publish(), FINAL_STORE_TIMEOUT)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kit.averaging.averager import DecentralizedAverager, RoundResult
@@ -52,6 +53,7 @@ class GlobalStep:
     _prefetch: concurrent.futures.Future[StateSnapshot | None] | None
     _catch_up: concurrent.futures.Future[StateSnapshot | None] | None
     _catch_up_tries: int
+    _round_listeners: list[Callable[[int, RoundResult], None]]
 
     if TYPE_CHECKING:  # provided by kit.Optimizer and StateSharing (no stubs at run time)
 
@@ -69,6 +71,11 @@ class GlobalStep:
     def _grads(self) -> DecentralizedAverager:
         assert self.grad_averager is not None, "gradient rounds need the gradient averager"
         return self.grad_averager
+
+    def add_round_listener(self, listener: Callable[[int, RoundResult], None]) -> None:
+        """Call ``listener(epoch, result)`` after each gradient round that formed a group (in
+        the thread that ran it): ``kit.metrics`` attests the members' weights this way."""
+        self._round_listeners.append(listener)
 
     def _global_step(self) -> None:
         epoch = self.local_epoch
@@ -173,7 +180,7 @@ class GlobalStep:
         return 2 * self.matchmaking_time + 1.0  # as average_at_epoch's search
 
     def _average_gradients(self, epoch: int, samples: int) -> tuple[RoundResult | None, int]:
-        return average_at_epoch(
+        result, expected = average_at_epoch(
             self._grads,
             self.tracker,
             epoch,
@@ -182,6 +189,13 @@ class GlobalStep:
             matchmaking_time=self.matchmaking_time,
             averaging_timeout=self.averaging_timeout,
         )
+        if result is not None:
+            for listener in self._round_listeners:  # e.g. kit.metrics attests the group's weights
+                try:
+                    listener(epoch, result)
+                except Exception:  # a listener's bug must not break training
+                    logger.exception("a round listener failed")
+        return result, expected
 
     def _conclude_round(self) -> None:
         """Judge the last gradient round (at a safe point, in the caller's thread)."""

@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from kit.averaging.averager import DecentralizedAverager
+from kit.averaging.averager import DecentralizedAverager, RoundResult
 from kit.averaging.compression import CompressionBase, NoCompression
 from kit.averaging.control import StepControl
 from kit.errors import (
@@ -216,6 +216,7 @@ class Optimizer(StateSharing, GlobalStep, torch.optim.Optimizer):
         self._catch_up_base: list[torch.Tensor] = []  # our parameters when a catch-up began
         self._catch_up_epoch = 0  # and our epoch then
         self._catch_up_tries = 0  # downloads since we fell behind
+        self._round_listeners: list[Callable[[int, RoundResult], None]] = []
         self._accumulated = GradientAccumulator(
             self._params,
             reuse_grad_buffers=reuse_grad_buffers,

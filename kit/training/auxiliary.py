@@ -76,6 +76,7 @@ class AuxiliaryPeer:
         self.model: Any = None
         self.optimizer: Any = None
         self.restored_step: int | None = None
+        self.attestor: Any = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pusher: threading.Thread | None = None
@@ -90,6 +91,7 @@ class AuxiliaryPeer:
         self.optimizer = build_collaborative_optimizer(
             self.model, self.config, self.dht, batch_size_per_step=None, auxiliary=True
         )
+        self._attest_rounds()
         self._restore()
         self._thread = threading.Thread(target=self._run, name="kit-auxiliary", daemon=True)
         self._thread.start()
@@ -104,6 +106,34 @@ class AuxiliaryPeer:
         if self.optimizer is not None:
             self.optimizer.shutdown()
             self.optimizer = None
+        attestor, self.attestor = self.attestor, None
+        if attestor is not None and self.dht.is_alive():
+
+            async def stop_attesting(_: Any, __: Any) -> None:
+                await attestor.shutdown()
+
+            self.dht.run_coroutine(stop_attesting)
+
+    def _attest_rounds(self) -> None:
+        """Attest the weights of every round this peer joins: the organizer's own attestation
+        decides a volunteer's credit for that round (``kit.metrics.ledger``)."""
+        from kit.metrics import RoundAttestor
+
+        run_id = self.config.collaboration.run_id
+
+        async def start(_: Any, node: Any) -> Any:
+            authorizer = node.peer.authorizer
+
+            def token() -> bytes | None:
+                current = getattr(authorizer, "token", None)
+                return current.to_bytes() if current is not None else None
+
+            attestor = RoundAttestor(node, run_id, node.peer.identity, token=token)
+            attestor.start()
+            return attestor
+
+        self.attestor = self.dht.run_coroutine(start)
+        self.optimizer.add_round_listener(self.attestor.record)
 
     # --- restore -------------------------------------------------------------------------------
 

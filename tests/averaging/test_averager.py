@@ -108,9 +108,13 @@ async def test_step_gives_the_exact_weighted_mean(
         )
         senders = [i for i in range(n) if i not in aux]
         expected = mean_of(senders, weights)
+        index = {a.peer.peer_id: i for i, a in enumerate(averagers)}
         for i, result in enumerate(results):
             assert isinstance(result, RoundResult) and result.is_full and len(result) == n
             assert set(result.peers) == {a.peer.peer_id for a in averagers}
+            assert result.weights == tuple(  # as the group agreed (kit.metrics attests them)
+                0.0 if index[p] in aux else weights[index[p]] for p in result.peers
+            )
             if i not in aux:
                 assert_mean(averagers[i].tensors, expected)
             else:

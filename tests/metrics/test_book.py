@@ -10,8 +10,9 @@ import pytest
 
 from kit.auth.authority import TokenIssuer
 from kit.errors import MetricsStateError
-from kit.metrics.book import ANONYMOUS, MetricsBook, token_verifier
+from kit.metrics.book import ANONYMOUS, MetricsBook
 from kit.metrics.records import ContributionRecord
+from kit.metrics.verification import token_verifier
 from kit.p2p.identity import Identity
 
 RUN = "test-run"
@@ -174,7 +175,7 @@ def test_a_token_issued_to_another_key_is_not_credited(issuer: TokenIssuer, capl
     bob.token = issuer.issue("bob", bob.owner, now=T0).to_bytes()
     mallory.token = bob.token  # copied from bob's records in the DHT
     book = MetricsBook(token_verifier(issuer.authority_public_key, RUN))
-    with caplog.at_level(logging.DEBUG, logger="kit.metrics.book"):
+    with caplog.at_level(logging.DEBUG, logger="kit.metrics"):
         accepted = book.add(
             [bob.record(T0, samples_total=10), mallory.record(T0, samples_total=10**6)], T0
         )

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -15,9 +17,10 @@ import pytest
 from kit.auth.authority import TokenIssuer
 from kit.dht.node import DHTNode
 from kit.errors import ConfigError, KitUsageError
+from kit.metrics.attestations import RoundAttestor
 from kit.metrics.collector import MetricsCollector
 from kit.metrics.reporter import MetricsReporter
-from kit.p2p.identity import Identity
+from kit.p2p.identity import Identity, PeerID
 from kit.p2p.peer import create_peer
 from tests.conftest import MS
 from tests.dht.swarm import Swarm
@@ -49,6 +52,20 @@ async def wait_for(condition: Callable[[], bool], what: str, timeout: float = 20
         await asyncio.sleep(0.05)
 
 
+def attestor(node: DHTNode, token: bytes) -> RoundAttestor:
+    identity = node.peer.identity  # type: ignore[attr-defined]  # kit.p2p.peer.Peer
+    made = RoundAttestor(node, RUN, identity, token=lambda: token, min_interval=PERIOD)
+    made.start()
+    return made
+
+
+@dataclasses.dataclass
+class Round:  # what a kit.averaging RoundResult tells the attestor
+    group_id: bytes
+    peers: list[PeerID]
+    weights: list[float]
+
+
 def board(collector: MetricsCollector) -> list[tuple[str, int, bool]]:
     return [(r["username"], r["samples"], r["verified"]) for r in collector.leaderboard()]
 
@@ -70,11 +87,26 @@ async def test_collector_credits_token_holders_and_not_a_peer_with_a_copied_toke
             return issuer.issue(user, key, now=now).to_bytes()
 
         bob_token = token_for(bob_node, "bob")
+        alice_token = token_for(alice_node, "alice")
         reporters = [
-            reporter(alice_node, token_for(alice_node, "alice"), username="alice"),
+            reporter(alice_node, alice_token, username="alice"),
             reporter(bob_node, bob_token, username="bob", client_mode=True),
             reporter(mallory_node, bob_token, username="bob"),  # bob's token, mallory's key
         ]
+        # alice and bob average together and attest each other's weights (kit.metrics.ledger);
+        # mallory attests a round of her own too, under bob's token: worth nothing.
+        attestors = [
+            attestor(alice_node, alice_token),
+            attestor(bob_node, bob_token),
+            attestor(mallory_node, bob_token),
+        ]
+
+        def average(epoch: int, alice: float, bob: float) -> None:
+            group = Round(os.urandom(16), [alice_node.peer_id, bob_node.peer_id], [alice, bob])
+            for made in attestors[:2]:
+                made.record(epoch, group)
+            fake = Round(os.urandom(16), [mallory_node.peer_id, bob_node.peer_id], [10**6, 1])
+            attestors[2].record(epoch, fake)
         collector = MetricsCollector(
             coordinator,
             RUN,
@@ -85,6 +117,7 @@ async def test_collector_credits_token_holders_and_not_a_peer_with_a_copied_toke
         collector.start()
         try:
             for epoch in range(3):
+                average(epoch, 64.0, 32.0)
                 reporters[0].update(epoch=epoch, loss=3.0 - epoch, samples_total=64 * (epoch + 1))
                 reporters[1].update(epoch=epoch, loss=4.0 - epoch, samples_total=32 * (epoch + 1))
                 reporters[2].update(epoch=epoch, loss=0.1, samples_total=10**6)
@@ -123,11 +156,16 @@ async def test_collector_credits_token_holders_and_not_a_peer_with_a_copied_toke
         again = reporter(alice_node, token_for(alice_node, "alice"))
         try:
             again.update(epoch=3, samples_total=16, loss=0.5)
+            average(3, 16.0, 0.0)  # bob had nothing to add this time
             await wait_for(lambda: board(resumed)[0][1] == 208, "alice's new session")
             assert board(resumed) == [("alice", 208, True), ("bob", 96, True)]
+            rows = {row["username"]: row for row in resumed.leaderboard()}
+            assert not any(row["flagged"] for row in rows.values())
         finally:
             await again.shutdown()
             await resumed.shutdown()
+            for made in attestors:
+                await made.shutdown()
 
 
 async def test_open_run_uses_declared_names_and_updates_from_a_thread(tmp_path: Path) -> None:

@@ -64,6 +64,17 @@ def main() -> int:
         average_state_every=args.average_state_every,
         tracker_opts={"min_refresh_period": 0.2, "max_refresh_period": 1.0},
     )
+    rounds: list[dict[str, object]] = []  # what the round listener saw (kit.metrics attests it)
+    opt.add_round_listener(
+        lambda epoch, result: rounds.append(
+            {
+                "epoch": epoch,
+                "weights": {
+                    p.to_base58(): w for p, w in zip(result.peers, result.weights, strict=True)
+                },
+            }
+        )
+    )
     loaded_epoch = None
     if args.load_state:
         opt.load_state_from_peers(timeout=60)
@@ -112,6 +123,7 @@ def main() -> int:
                 "epochs": epochs_seen,
                 "loaded_epoch": loaded_epoch,
                 "lr": opt.param_groups[0]["lr"],
+                "rounds": rounds,
             },
             file,
         )

@@ -73,6 +73,7 @@ def test_three_peers_equal_one_process_with_the_global_batch(tmp_path: Path) -> 
         )
         finish(processes)
     expected = train_reference(3, epochs).numpy()
+    rounds_seen: list[dict[int, dict[str, float]]] = []
     for index in range(3):
         params = np.load(tmp_path / f"peer{index}.npy")
         report = json.loads((tmp_path / f"peer{index}.json").read_text())
@@ -82,6 +83,15 @@ def test_three_peers_equal_one_process_with_the_global_batch(tmp_path: Path) -> 
         )  # the scheduler stepped once per epoch
         relative = np.abs(params - expected).max() / np.abs(expected).max()
         assert relative <= 1e-5, f"peer {index}: relative error {relative:.2e}"
+        # Every round's listeners saw the group's weights (kit.metrics attests them), the
+        # same at every member: the three peers, each with the samples it brought.
+        weights = {r["epoch"]: r["weights"] for r in report["rounds"]}
+        assert sorted(weights) == list(range(epochs))
+        rounds_seen.append(weights)
+    for epoch in range(epochs):
+        seen = [weights[epoch] for weights in rounds_seen]
+        assert all(w == seen[0] for w in seen) and len(seen[0]) == 3
+        assert all(value > 0 for value in seen[0].values())
     untrained = torch.cat([p.detach().reshape(-1) for p in make_model().parameters()]).numpy()
     assert np.abs(expected - untrained).max() > 1e-3  # training did move the parameters
 
