@@ -2,10 +2,11 @@
 
 Access tokens are short-lived (30 min by default), so a user removed from the allowlist is out
 once their token expires. A :class:`RevocationList` is for "out now": the coordinator signs one
-msgpack record naming users and/or peer keys, each banned until a time of its own, and every
-authorizer refuses them at the handshake (``kit.auth.authorizer``), and closes their current
-connections on request. A list replaces an older one only if its ``issued_at`` is later, so a
-replayed old list can never lift a ban.
+msgpack record naming users and/or peer keys, each banned until a time of its own: every
+authorizer refuses them at the handshake (``kit.auth.authorizer``), and every peer's session
+guard closes their current connections within one check period (``kit.auth.sessions``). A
+list replaces an older one only if its ``issued_at`` is later, so a replayed old list can never
+lift a ban.
 
 Record format: msgpack ``{"v": 1, "run", "issued", "users": [[name, until]...], "keys": [[pk,
 until]...], "sig"}``; the signature covers ``REVOCATION_DOMAIN || msgpack([run, issued, users,

@@ -73,17 +73,13 @@ from kit.p2p.wire import FrameType
 from kit.runtime import get_runtime
 from kit.testing.fake_hub import FakeHub
 from tests.conftest import TIMEOUT_FACTOR
+from tests.p2p.test_frame_auth import TamperingProxy
+from tests.test_coordinator import free_port
 
 pytestmark = [pytest.mark.sockets]
 
 USERS = ("alice", "bob", "carol", "dave")
 SECRET = "TOP-SECRET-CONTENT"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def run(coro: Any, timeout: float = 60.0) -> Any:
@@ -342,40 +338,10 @@ def test_4_a_recorded_handshake_cannot_be_replayed(world: World) -> None:
     assert run(replay()) == "protocol_error"
 
 
-class FlippingProxy:
-    """A TCP relay on the path that flips one bit in the dialer's next large write."""
-
-    def __init__(self, target_port: int) -> None:
-        self.target_port, self.flip, self.flipped = target_port, False, 0
-
-    async def start(self) -> int:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        return int(self.server.sockets[0].getsockname()[1])
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
-
-        async def pump(source: Any, sink: Any, tamper: bool) -> None:
-            try:
-                while data := await source.read(65536):
-                    if tamper and self.flip and len(data) > 10_000:
-                        changed = bytearray(data)
-                        changed[len(data) // 2] ^= 0x01
-                        data, self.flip, self.flipped = bytes(changed), False, self.flipped + 1
-                    sink.write(data)
-                    await sink.drain()
-            except (ConnectionError, asyncio.CancelledError):
-                pass
-            finally:
-                sink.close()
-
-        await asyncio.gather(pump(reader, up_writer, True), pump(up_reader, writer, False))
-
-
 def test_5_a_byte_flipped_on_the_path_drops_the_connection(world: World) -> None:
     async def tamper() -> None:
         port = int(world.volunteer_address.split("/tcp/")[1].split("/")[0])
-        proxy = FlippingProxy(port)
+        proxy = TamperingProxy(port)  # flips a bit in the dialer's next large write
         proxied = await proxy.start()
         try:
             alice = await world.member("alice")
@@ -393,7 +359,7 @@ def test_5_a_byte_flipped_on_the_path_drops_the_connection(world: World) -> None
                 )
             assert proxy.flipped == 1
         finally:
-            proxy.server.close()
+            proxy.close()
 
     run(tamper())
 

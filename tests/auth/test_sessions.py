@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -42,6 +41,7 @@ from kit.p2p.peer import Peer, create_peer
 from kit.runtime import get_runtime
 from kit.testing.fake_hub import FakeHub
 from tests.conftest import TIMEOUT_FACTOR
+from tests.test_coordinator import free_port
 
 pytestmark = pytest.mark.sockets
 ROOT = Path(__file__).resolve().parents[2]
@@ -198,12 +198,6 @@ async def test_a_connection_lives_as_long_as_its_token_is_renewed() -> None:
 
 
 # --- end to end: a real coordinator, a volunteer in its own process, a revoked user ----------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 async def store_at(peer: Peer, target: PeerID, key: str) -> list[StoreStatus]:
