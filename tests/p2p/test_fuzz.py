@@ -144,16 +144,28 @@ async def _round_trip(target: Target) -> None:
         await client.shutdown()
 
 
-async def _settle(target: Target) -> dict[str, Any]:
-    """Wait until connections and tasks are back at baseline; returns what the peer last said."""
+async def _settle(target: Target, *, tasks: bool = True) -> dict[str, Any]:
+    """Wait until connections (and ``tasks``) are back at baseline; returns what the peer last
+    said. The baseline itself is taken with ``tasks=False``: once no connection is left."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + SETTLE_TIMEOUT
     while True:
         seen = await health(target)
         settled = seen["connections"] == 0 and seen["websockets"] == 0
-        if (settled and len(seen["tasks"]) <= target.baseline_tasks) or loop.time() > deadline:
+        if settled and (not tasks or len(seen["tasks"]) <= target.baseline_tasks):
+            return seen
+        if loop.time() > deadline:
             return seen
         await asyncio.sleep(0.05)
+
+
+async def _fewest_tasks(target: Target) -> int:
+    """The peer's task count at rest: the fewest seen in one second (closing tasks end)."""
+    fewest = len((await health(target))["tasks"])
+    for _ in range(10):
+        await asyncio.sleep(0.1)
+        fewest = min(fewest, len((await health(target))["tasks"]))
+    return fewest
 
 
 def check_health(target: Target, layer: str, *, lines_per_connection: int | None = None) -> None:
@@ -209,7 +221,8 @@ def target() -> Iterator[Target]:
         port = int(address.split("/tcp/")[1].split("/")[0])
         fuzz_target = Target(runtime, process, address, port)
         fuzz_target.run(_round_trip(fuzz_target), timeout=60)  # warm up: lazy state exists now
-        fuzz_target.baseline_tasks = len(fuzz_target.run(_settle(fuzz_target), timeout=60)["tasks"])
+        fuzz_target.run(_settle(fuzz_target, tasks=False), timeout=60)
+        fuzz_target.baseline_tasks = fuzz_target.run(_fewest_tasks(fuzz_target), timeout=60)
         fuzz_target.baseline_rss = fuzz_target.run(health(fuzz_target, reset=True))["rss"]
         fuzz_target.last_check = time.perf_counter()
         yield fuzz_target
