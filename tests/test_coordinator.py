@@ -128,6 +128,7 @@ def test_allowlisted_run_leaderboard_checkpoints_and_restart(tmp_path, hub) -> N
 
         wait_for(alice_on_board, 120, "alice on the leaderboard")
         wait_for(lambda: coordinator.auxiliary.manager.latest() is not None, 120, "a checkpoint")
+
         def pushes() -> list:
             return [c for c in hub.commits("organizer/tiny-albert") if c.title.startswith("step ")]
 
@@ -364,6 +365,7 @@ def test_the_run_info_shows_what_a_volunteer_needs_and_not_the_allowlist(tmp_pat
         state_dir=str(tmp_path / "coordinator"),
         hf_endpoint=hub.endpoint,
         auxiliary_peer=False,
+        preflight=False,  # no tokenizer: this run is about access, not training
     )
     coordinator = Coordinator(config, options)
     coordinator.start()

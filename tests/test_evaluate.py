@@ -249,7 +249,9 @@ def test_the_plan_follows_the_device_and_estimates_from_one_timed_step(
 ) -> None:
     from kit.evaluation.plan import SPLIT_SIZES
 
-    cpu = evaluate.plan_evaluation(run_yaml=tmp_path / "none.yaml", device="cpu", step=lambda *_: 0.5)
+    cpu = evaluate.plan_evaluation(
+        run_yaml=tmp_path / "none.yaml", device="cpu", step=lambda *_: 0.5
+    )
     assert [c.source for c in cpu.checkpoints] == ["neuropark/sahajBERT"]  # no run here
     assert cpu.baselines == () and cpu.seeds == 1
     steps = sum(
@@ -258,7 +260,9 @@ def test_the_plan_follows_the_device_and_estimates_from_one_timed_step(
         for size in SPLIT_SIZES.values()
     )
     assert cpu.seconds == pytest.approx(steps * 0.5)
-    gpu = evaluate.plan_evaluation(run_yaml=tmp_path / "none.yaml", device="cuda", step=lambda *_: 0.01)
+    gpu = evaluate.plan_evaluation(
+        run_yaml=tmp_path / "none.yaml", device="cuda", step=lambda *_: 0.01
+    )
     names = [c.name for c in gpu.baselines]
     assert names == ["sahajBERT", "XLM-R large", "IndicBERT", "bnRoBERTa"] and gpu.seeds == 3
     assert gpu.checkpoints == () and gpu.seconds == pytest.approx(steps * 0.01 * 3 * 4)

@@ -60,7 +60,10 @@ def test_run_info_names_the_wheel_as_reached_the_tokenizer_digest_and_bootstrap_
         # Reached through a TLS proxy under its public name: absolute URLs say so.
         behind_proxy = {"Host": "run.example.org", "X-Forwarded-Proto": "https"}
         run = json.loads(get(url + "/api/run", behind_proxy))
-        assert run["install"] == f"https://run.example.org/install/kit_collab-{kit.__version__}-py3-none-any.whl"
+        assert (
+            run["install"]
+            == f"https://run.example.org/install/kit_collab-{kit.__version__}-py3-none-any.whl"
+        )
         assert run["kit_version"] == kit.__version__
         assert run["initial_peers"][-1] == extra and len(run["initial_peers"]) == 2
         tokenizer = http_get(url + run["tokenizer_url"])
@@ -153,7 +156,9 @@ def test_natd_volunteers_keep_training_through_a_bootstrap_peer_while_the_coordi
         # and relays. Without it, each would see only itself and step alone on its own samples.
         # (Their gradient rounds fall back to local gradients meanwhile: two client-mode peers
         # have no aggregator until the coordinator's auxiliary peer is back.)
-        wait_for(lambda: min(epochs()) >= before + 2, 120, "global steps while the coordinator is down")
+        wait_for(
+            lambda: min(epochs()) >= before + 2, 120, "global steps while the coordinator is down"
+        )
         assert peers_seen() == [2, 2]  # still one collaboration
         assert all(v.trainer.running for v in volunteers)
         coordinator = start()

@@ -148,7 +148,7 @@ def test_config_notebook_with_its_defaults_starts_a_run_a_remote_volunteer_train
     notebook = nbformat.read(NOTEBOOKS / "config.ipynb", as_version=4)
     (parameters,) = [c for c in notebook.cells if "parameters" in c.metadata.get("tags", [])]
     source, replaced = re.subn(
-        r'^HOST, PORT = .*$', f'HOST, PORT = "127.0.0.1", {port}', parameters.source, flags=re.M
+        r"^HOST, PORT = .*$", f'HOST, PORT = "127.0.0.1", {port}', parameters.source, flags=re.M
     )
     assert replaced == 1
     parameters.source = source  # everything else as the organizer finds it

@@ -100,7 +100,9 @@ def test_a_coordinator_without_a_tokenizer_volunteers_can_get_refuses_to_start(
     with pytest.raises(PreflightFailed) as refused:
         coordinator.start()
     (problem,) = refused.value.problems
-    assert problem.startswith("tokenizer: the coordinator serves no tokenizer") and "help:" in problem
+    assert (
+        problem.startswith("tokenizer: the coordinator serves no tokenizer") and "help:" in problem
+    )
     assert "could not train" in str(refused.value)
     with socket.socket() as sock:  # nothing was left running
         assert sock.connect_ex(("127.0.0.1", port)) != 0

@@ -467,10 +467,10 @@ class Peer:
         pending: tuple[bytes, ...] = (),
     ) -> FastWebSocketChannel:
         early = _received_beyond(websocket)
-        if early:  # the remote did not wait for our HELLO (see callers): never lose them silently
+        if early:  # the remote did not wait for its turn (see callers): never lose them silently
             raise MalformedFrame(
-                f"{remote_address} sent {early} more bytes or messages before our HELLO, which a "
-                "dialer must wait for (its AUTH signs our nonce) - help: upgrade kit there"
+                f"{remote_address} sent {early} bytes or messages out of turn in the handshake "
+                "- help: upgrade kit on that side"
             )
         return FastWebSocketChannel(
             websocket.transport,

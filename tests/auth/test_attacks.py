@@ -2,7 +2,7 @@
 the right reason, and the legitimate users still train afterwards.
 
 The run: a real :class:`~kit.coordinator.Coordinator` (token endpoint behind a fake Hugging Face
-Hub, DHT, relay, metrics collector, tokenizer route) and bob's volunteer peer with its DHT node,
+Hub, DHT, relay, metrics collector, the join notebook's route) and bob's volunteer peer with its DHT node,
 as ``kit.join`` starts one. Hub users: alice, bob, carol and dave are allowlisted; mallory is
 not. The attacks (the first ten are the ones tried in issue 17):
 
@@ -147,8 +147,6 @@ async def echo(caller: PeerID, request: bytes) -> bytes:
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     tmp = tmp_path_factory.mktemp("attacks")
     (tmp / "secret.txt").write_text(SECRET)
-    (tmp / "tokenizer").mkdir()
-    (tmp / "tokenizer" / "tokenizer.json").write_text('{"model": "the run\'s tokenizer"}')
     tracebacks = Tracebacks()
     for name in ("kit", "websockets"):
         logging.getLogger(name).addHandler(tracebacks)
@@ -170,9 +168,9 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
                 host="127.0.0.1",
                 port=port,
                 state_dir=str(tmp / "coordinator"),
-                tokenizer_dir=str(tmp / "tokenizer"),
                 hf_endpoint=hub.endpoint,
                 auxiliary_peer=False,
+                preflight=False,  # no tokenizer: this run is about access, not training
                 metrics_period=0.5,
             ),
         )
@@ -413,10 +411,10 @@ def coordinator_port(world: World) -> int:
 @pytest.mark.parametrize(
     "path",
     [
-        "/api/tokenizer.json/../../secret.txt",
+        "/join.ipynb/../../secret.txt",
         "/../secret.txt",
         "/%2e%2e/%2e%2e/secret.txt",
-        "/api/tokenizer.json%2f..%2f..%2fsecret.txt",
+        "/join.ipynb%2f..%2f..%2fsecret.txt",
         "/api/..%2f..%2fsecret.txt",
         "//secret.txt",
     ],
@@ -425,10 +423,8 @@ def test_7_path_traversal_reaches_nothing_but_the_routes(world: World, path: str
     answer = http(coordinator_port(world), f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
     assert SECRET.encode() not in answer
     assert not answer.startswith(b"HTTP/1.1 200"), answer[:200]
-    tokenizer = http(
-        coordinator_port(world), b"GET /api/tokenizer.json HTTP/1.1\r\nHost: x\r\n\r\n"
-    )
-    assert tokenizer.startswith(b"HTTP/1.1 200") and b"the run's tokenizer" in tokenizer
+    served = http(coordinator_port(world), b"GET /join.ipynb HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert served.startswith(b"HTTP/1.1 200") and b"nbformat" in served  # the route itself
 
 
 def test_8_oversized_headers_are_refused(world: World) -> None:

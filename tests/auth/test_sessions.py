@@ -237,6 +237,7 @@ def test_a_revoked_user_is_cut_off_at_a_volunteer_and_cannot_come_back(
             state_dir=str(tmp_path / "coordinator"),
             hf_endpoint=hub.endpoint,
             auxiliary_peer=False,
+            preflight=False,  # no tokenizer: this run is about access, not training
         )
         coordinator = Coordinator(config, options)
         coordinator.start()

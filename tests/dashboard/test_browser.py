@@ -169,7 +169,9 @@ async def test_dashboard_renders_the_live_curve_and_leaderboard(tmp_path: Path) 
     # the cell volunteers paste, with the link in it, a copy button and the notebook to download
     join = re.search(r'<section class="card" id="join">(.*?)</section>', dom, re.S)
     assert join is not None, "the join card is hidden"
-    cell = html.unescape(re.search(r'<code id="join-cell">(.*?)</code>', join.group(1), re.S).group(1))  # type: ignore[union-attr]
+    cell = html.unescape(
+        re.search(r'<code id="join-cell">(.*?)</code>', join.group(1), re.S).group(1)
+    )  # type: ignore[union-attr]
     assert f'COORDINATOR = "{LINK}"' in cell and "kit.join(COORDINATOR)" in cell
     assert 'id="copy-cell"' in join.group(1) and 'href="join.ipynb"' in join.group(1)
     assert "Colab" in join.group(1) and "Kaggle" in join.group(1)

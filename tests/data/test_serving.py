@@ -109,7 +109,9 @@ def test_text_becomes_shards_once_and_again_when_the_files_change(
     moved = dataclasses.replace(source, data_files=(str(changed),))
     smaller, _ = prepare_source(moved, data_config, tokenizer, tmp_path, progress=False)
     assert smaller.documents == 50
-    assert len(list((tmp_path / next(tmp_path.glob("files-*")).name).iterdir())) == 1  # old cache gone
+    assert (
+        len(list((tmp_path / next(tmp_path.glob("files-*")).name).iterdir())) == 1
+    )  # old cache gone
 
 
 def test_missing_files_are_a_typed_error_with_help(
@@ -229,9 +231,7 @@ def test_the_pipeline_reads_served_sources_like_local_ones(
     files, wiki = pipeline.statistics().sources
     assert files.used > 0 and wiki.used > 0
     with pytest.raises(InvalidShard, match="another tokenizer|written with tokenizer"):
-        data.open_source(
-            data_config.sources[0], seed=1, vocab_size=999, tokenizer="not-this-one"
-        )
+        data.open_source(data_config.sources[0], seed=1, vocab_size=999, tokenizer="not-this-one")
 
 
 def test_a_coordinator_that_does_not_answer_is_waited_for_then_reported(

@@ -107,6 +107,7 @@ async def test_collector_credits_token_holders_and_not_a_peer_with_a_copied_toke
                 made.record(epoch, group)
             fake = Round(os.urandom(16), [mallory_node.peer_id, bob_node.peer_id], [10**6, 1])
             attestors[2].record(epoch, fake)
+
         collector = MetricsCollector(
             coordinator,
             RUN,
