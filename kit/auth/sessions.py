@@ -75,7 +75,10 @@ class SessionGuard:
 
     async def run(self) -> None:
         while True:
-            await self.check()
+            try:
+                await self.check()
+            except Exception:  # a bug here must not end the checks for good: say it, go on
+                logger.exception("the session check of %s failed", self.peer.peer_id.short())
             await asyncio.sleep(self.period)
 
     async def check(self) -> list[PeerID]:
