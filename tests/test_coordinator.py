@@ -348,27 +348,41 @@ def test_volunteers_join_an_allowlisted_coordinator_over_wss(tmp_path, hub) -> N
             volunteer.stop()
 
 
-def test_the_run_info_shows_what_a_volunteer_needs_and_not_the_allowlist(tmp_path, hub) -> None:
-    """/api/run (and the dashboard's /api/metrics) answer anyone: no user or org names there."""
+def access_coordinator(state: Path, hf_endpoint: str, **access: object) -> Coordinator:
+    """A started coordinator of an allowlisted run for tests of access (``access`` changes the
+    ``access:`` section; ``metrics_period`` too): no auxiliary peer, no tokenizer, so no
+    start-up check of training."""
     port = free_port()
-    access = dataclasses.replace(
+    metrics_period = float(access.pop("metrics_period", 10.0))  # type: ignore[arg-type]
+    changed = dataclasses.replace(
         RunConfig().access,
-        usernames=("alice", "bob"),
-        organizations=("secret-lab",),
-        authority_public_key=create_authority(tmp_path / "coordinator"),
+        authority_public_key=create_authority(state),
         coordinator=f"/ip4/127.0.0.1/tcp/{port}/ws",
+        **access,  # type: ignore[arg-type]
     )
-    config = dataclasses.replace(RunConfig(), access=access)
     options = CoordinatorOptions(
         host="127.0.0.1",
         port=port,
-        state_dir=str(tmp_path / "coordinator"),
-        hf_endpoint=hub.endpoint,
+        state_dir=str(state),
+        hf_endpoint=hf_endpoint,
         auxiliary_peer=False,
-        preflight=False,  # no tokenizer: this run is about access, not training
+        preflight=False,
+        metrics_period=metrics_period,
     )
-    coordinator = Coordinator(config, options)
+    coordinator = Coordinator(dataclasses.replace(RunConfig(), access=changed), options)
     coordinator.start()
+    return coordinator
+
+
+def test_the_run_info_shows_what_a_volunteer_needs_and_not_the_allowlist(tmp_path, hub) -> None:
+    """/api/run (and the dashboard's /api/metrics) answer anyone: no user or org names there."""
+    coordinator = access_coordinator(
+        tmp_path / "coordinator",
+        hub.endpoint,
+        usernames=("alice", "bob"),
+        organizations=("secret-lab",),
+    )
+    config, access = coordinator.config, coordinator.config.access
     try:
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         for path in ("/api/run", "/api/metrics"):

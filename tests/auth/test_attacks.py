@@ -47,8 +47,7 @@ import websockets.asyncio.client
 import kit
 from kit.auth import authorizer_from_coordinator
 from kit.auth.tokens import AccessToken
-from kit.config import RunConfig
-from kit.coordinator import Coordinator, CoordinatorOptions, create_authority
+from kit.coordinator import Coordinator
 from kit.dht.node import DHTNode, get_dht_time
 from kit.dht.protocol import STORE, NodeInfo, StoreRequest, StoreResponse, decode, encode
 from kit.dht.storage import StoreStatus
@@ -74,7 +73,7 @@ from kit.runtime import get_runtime
 from kit.testing.fake_hub import FakeHub
 from tests.conftest import TIMEOUT_FACTOR
 from tests.p2p.test_frame_auth import TamperingProxy
-from tests.test_coordinator import free_port
+from tests.test_coordinator import access_coordinator
 
 pytestmark = [pytest.mark.sockets]
 
@@ -153,28 +152,14 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     with FakeHub() as hub:
         for user in (*USERS, "mallory"):
             hub.add_user(user, token=f"hf_{user}", token_role="read")
-        port = free_port()
-        access = dataclasses.replace(
-            RunConfig().access,
+        coordinator = access_coordinator(
+            tmp / "coordinator",
+            hub.endpoint,
             usernames=USERS,
-            authority_public_key=create_authority(tmp / "coordinator"),
-            coordinator=f"/ip4/127.0.0.1/tcp/{port}/ws",
             check_seconds=1.0,
+            metrics_period=0.5,
         )
-        config = dataclasses.replace(RunConfig(), access=access)
-        coordinator = Coordinator(
-            config,
-            CoordinatorOptions(
-                host="127.0.0.1",
-                port=port,
-                state_dir=str(tmp / "coordinator"),
-                hf_endpoint=hub.endpoint,
-                auxiliary_peer=False,
-                preflight=False,  # no tokenizer: this run is about access, not training
-                metrics_period=0.5,
-            ),
-        )
-        coordinator.start()
+        config = coordinator.config
         identity = Identity.generate()
         bob = run(
             authorizer_from_coordinator(

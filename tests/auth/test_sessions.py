@@ -4,7 +4,6 @@ lives only as long as its access token (renewed, or closed)."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import subprocess
 import sys
@@ -21,8 +20,7 @@ from kit.auth import (
     authorizer_from_coordinator,
 )
 from kit.auth.tokens import AccessToken
-from kit.config import RunConfig
-from kit.coordinator import Coordinator, CoordinatorOptions, create_authority
+from kit.coordinator import Coordinator
 from kit.dht.node import get_dht_time
 from kit.dht.protocol import STORE, NodeInfo, StoreRequest, StoreResponse, decode, encode
 from kit.dht.storage import StoreStatus
@@ -41,7 +39,7 @@ from kit.p2p.peer import Peer, create_peer
 from kit.runtime import get_runtime
 from kit.testing.fake_hub import FakeHub
 from tests.conftest import TIMEOUT_FACTOR
-from tests.test_coordinator import free_port
+from tests.test_coordinator import access_coordinator
 
 pytestmark = pytest.mark.sockets
 ROOT = Path(__file__).resolve().parents[2]
@@ -218,29 +216,15 @@ def test_a_revoked_user_is_cut_off_at_a_volunteer_and_cannot_come_back(
     bans her: within one check period the VOLUNTEER closes her connection, then refuses her
     dials, her DHT stores, and her token under a fresh key; alice keeps working with it."""
     monkeypatch.delenv("HF_TOKEN", raising=False)
-    port = free_port()
     with FakeHub() as hub:
         for user in ("alice", "bob", "carol"):
             hub.add_user(user, token=f"hf_{user}", token_role="read")
-        config = RunConfig()
-        access = dataclasses.replace(
-            config.access,
+        coordinator = access_coordinator(
+            tmp_path / "coordinator",
+            hub.endpoint,
             usernames=("alice", "bob", "carol"),
-            authority_public_key=create_authority(tmp_path / "coordinator"),
-            coordinator=f"/ip4/127.0.0.1/tcp/{port}/ws",
             check_seconds=1.0,
         )
-        config = dataclasses.replace(config, access=access)
-        options = CoordinatorOptions(
-            host="127.0.0.1",
-            port=port,
-            state_dir=str(tmp_path / "coordinator"),
-            hf_endpoint=hub.endpoint,
-            auxiliary_peer=False,
-            preflight=False,  # no tokenizer: this run is about access, not training
-        )
-        coordinator = Coordinator(config, options)
-        coordinator.start()
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
