@@ -434,7 +434,7 @@ class Coordinator:
 
     async def _serve_run_info(self, request: Any) -> Any:
         from kit.handout import base_url
-        from kit.p2p.peer import HttpResponse
+        from kit.p2p.transport import HttpResponse
 
         secure = self.options.tls_certfile is not None
         info = self.run_info(base_url(request, self.join_url, secure=secure))

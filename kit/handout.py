@@ -175,7 +175,7 @@ class Handout:
 
     def register(self, peer: Any, link: Callable[[], str]) -> None:
         """Serve the prepared files on ``peer`` (call on the runtime loop)."""
-        from kit.p2p.peer import HttpRequest, HttpResponse
+        from kit.p2p.transport import HttpRequest, HttpResponse
 
         if self.tokenizer_dir is not None:
             tokenizer = self._tokenizer_json

@@ -56,7 +56,8 @@ from kit.errors import (
     TokenServiceUnavailable,
 )
 from kit.p2p.identity import PUBLIC_KEY_SIZE, b58decode, b58encode
-from kit.p2p.peer import HttpRequest, HttpResponse, Peer
+from kit.p2p.peer import Peer
+from kit.p2p.transport import HttpRequest, HttpResponse
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from kit.metrics.collector import MetricsCollector
-from kit.p2p.peer import HttpHandler, HttpRequest, HttpResponse
+from kit.p2p.transport import HttpHandler, HttpRequest, HttpResponse
 
 logger = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 
 from kit.config import DataConfig, SourceConfig
 from kit.errors import DataSourceNotFound
-from kit.p2p.peer import HttpRequest, HttpResponse
+from kit.p2p.transport import HttpRequest, HttpResponse
 
 from .manifest import (
     MANIFEST_PATH,

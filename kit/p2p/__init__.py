@@ -2,5 +2,7 @@
 
 Read in this order: ``identity`` (keys, PeerIDs) → ``wire`` (frames, pure) → ``handshake``
 (pure) → ``mux`` (multiplexed streams and flow control, pure) → ``connection`` (the asyncio
-driver of one connection) → ``peer`` (listening, dialing, handlers) → ``relay``.
+driver of one connection) → ``channel`` (the handshake driver) → ``transport`` (the one file
+that speaks ``websockets``: listening, dialing, HTTP routes, the takeover by ``websocket``) →
+``relay``, ``reachability`` → ``peer`` (the connection registry and the handlers).
 """

@@ -1,6 +1,6 @@
-"""Channels (what a connection runs over) and the async handshake driver.
+"""The async handshake driver, the authorizer hook, and the size of a channel's messages.
 
-Two kinds of channel carry kit frames: a websocket (``WebSocketChannel``, the only place kit
+Two kinds of channel carry kit frames: a websocket (``kit.p2p.transport``, the only place kit
 touches ``websockets``) and a stream relayed through a third peer (``kit.p2p.relay``). The
 handshake driver below runs the pure cores of ``kit.p2p.handshake`` over either.
 """
@@ -14,19 +14,15 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from websockets.asyncio.connection import Connection as WebSocket
-from websockets.exceptions import ConnectionClosed
-
 from kit.errors import (
     AuthError,
     BadSignature,
-    ConnectionLost,
     HandshakeRefused,
     KitTimeout,
     RemoteProtocolError,
 )
 from kit.p2p import wire
-from kit.p2p.connection import Channel, Message, message_bytes, wait_bounded
+from kit.p2p.connection import Channel, wait_bounded
 from kit.p2p.frame_auth import TAG_SIZE
 from kit.p2p.handshake import (
     DialerHandshake,
@@ -55,49 +51,6 @@ def websocket_max_size(max_frame: int) -> int:
     hostile peer cannot make this peer hold 16 MiB per connection with one frame header.
     """
     return max(max_frame, wire.MAX_CONTROL_PAYLOAD) + wire.HEADER_SIZE + TAG_SIZE
-
-
-class WebSocketChannel:
-    """A websocket connection as a :class:`~kit.p2p.connection.Channel`."""
-
-    def __init__(
-        self, websocket: WebSocket, remote_address: str, remote_host: str | None = None
-    ) -> None:
-        self._websocket = websocket
-        self.remote_address = remote_address
-        self.remote_host = remote_host  # the IP we see the remote side at (accepted connections)
-
-    async def send(self, data: Message) -> None:
-        try:
-            await self._websocket.send(message_bytes(data))
-        except ConnectionClosed as e:
-            raise ConnectionLost(
-                f"websocket to {self.remote_address} closed: {_describe(e)}"
-            ) from None
-
-    async def recv(self) -> bytes:
-        try:
-            data = await self._websocket.recv(decode=False)
-        except ConnectionClosed as e:
-            raise ConnectionLost(
-                f"websocket to {self.remote_address} closed: {_describe(e)}"
-            ) from None
-        return data
-
-    async def close(self) -> None:
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._websocket.close(), 2.0)
-
-    def write_buffer_size(self) -> int:
-        """Bytes written but not yet handed to the kernel (for memory accounting)."""
-        return int(self._websocket.transport.get_write_buffer_size())
-
-
-def _describe(error: ConnectionClosed) -> str:
-    close = error.rcvd or error.sent
-    if close is None:
-        return "connection lost without a close frame"
-    return f"code {close.code}" + (f" ({close.reason})" if close.reason else "")
 
 
 class Authorizer(Protocol):

@@ -19,123 +19,41 @@ certificate by default (``client_ssl`` for a custom CA).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import http
 import logging
 import os
-import ssl
-import urllib.parse
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Coroutine, Sequence
 from typing import Any
-
-import websockets
-import websockets.asyncio.client
-import websockets.asyncio.server
-from websockets.datastructures import Headers
-from websockets.exceptions import InvalidHandshake, InvalidURI
-from websockets.http11 import Response
 
 from kit.errors import (
     AuthError,
     HandshakeRefused,
     KitTimeout,
     KitUsageError,
-    MalformedFrame,
     PeerError,
     PeerUnavailable,
     RemoteProtocolError,
     Revoked,
 )
-from kit.p2p import reachability, relay
+from kit.p2p import reachability, relay, transport
 from kit.p2p.address import Address, parse_address
 from kit.p2p.api import DEFAULT_MAX_MESSAGE, StreamHandler, UnaryHandler
-from kit.p2p.channel import (
-    Authorizer,
-    OpenAuthorizer,
-    WebSocketChannel,
-    accept_handshake,
-    dial_handshake,
-    refuse,
-    websocket_max_size,
-)
+from kit.p2p.channel import Authorizer, OpenAuthorizer, accept_handshake, dial_handshake
 from kit.p2p.connection import Channel, Connection, Stream, wait_bounded
 from kit.p2p.frame_auth import AuthenticatedChannel
 from kit.p2p.handshake import HandshakeSettings, RemoteHello
 from kit.p2p.identity import Identity, IdentityLock, PeerID, load_identity
-from kit.p2p.mux import MuxLimits
-from kit.p2p.relay import RelayLimits
-from kit.p2p.websocket import FastWebSocketChannel
-from kit.p2p.websockets_log import WEBSOCKETS_LOG
+from kit.p2p.options import PeerOptions, RelayLimits
+from kit.p2p.transport import HttpHandler, HttpRequest, HttpResponse, Listener
 from kit.p2p.wire import Refusal, ResetCode
 
 logger = logging.getLogger(__name__)
 
-_WEBSOCKETS_VERSION = tuple(
-    int(part) for part in websockets.__version__.split(".")[:2] if part.isdigit()
-)
 MAX_ADDRESSES_PER_PEER = 8
 MAX_ADDRESS_BOOK = 10_000
 RELAY_FRAME_MARGIN = 64
 #: A hello with this feature is a reachability probe: the listener answers the handshake, then
 #: hangs up without keeping the connection (see kit.p2p.reachability).
 PROBE_FEATURE = "probe"
-
-
-@dataclass(frozen=True)
-class PeerOptions:
-    """How a peer listens, dials and limits its peers. Every field has a working default."""
-
-    run_id: str = "kit"  # peers of other runs are refused at the handshake
-    config_hash: str = (
-        ""  # hash of the run config; peers with another one are refused ("" = no check)
-    )
-    host: str = "127.0.0.1"  # where to listen; "0.0.0.0" = every interface (public peers)
-    port: int = 0  # 0 = any free port
-    announce: tuple[str, ...] = ()  # addresses others should dial, if not the listening one
-    client_mode: bool | None = False  # True = no listening socket (NAT); None = detect by dial-back
-    relay_service: bool = False  # relay streams for client-mode peers (public peers, coordinators)
-    relays: tuple[
-        str, ...
-    ] = ()  # relays a client-mode peer registers with (default: initial peers)
-    relay_limits: RelayLimits = field(default_factory=RelayLimits)  # what a relay grants each peer
-    tls_certfile: str | None = None  # serve wss:// with this certificate chain (PEM)
-    tls_keyfile: str | None = None  # ... and this private key (PEM)
-    client_ssl: ssl.SSLContext | None = (
-        None  # for dialing wss://; None = system CAs, verification on
-    )
-    limits: MuxLimits = field(default_factory=MuxLimits)  # per-connection stream and flow limits
-    handshake_timeout: float = 10.0  # increase if you see handshake timeouts on slow links
-    dial_timeout: float = 10.0  # TCP + websocket opening; increase on very slow links
-    keepalive_interval: float = (
-        20.0  # websocket pings; a dead peer is noticed after interval+timeout
-    )
-    keepalive_timeout: float = 20.0
-    request_timeout: float = 30.0  # how long a unary handler may wait for the caller's request
-    idle_timeout: float = 300.0  # close connections without streams for this long (0 = never)
-    frame_auth: bool = False  # MAC every frame (on by itself with a private-run authorizer)
-    fast_framing: bool = True  # kit's own zero-copy websocket framing after the upgrade (2x faster)
-
-
-@dataclass(frozen=True)
-class HttpRequest:
-    """A plain HTTP GET that reached a peer's listening port (not a websocket upgrade)."""
-
-    path: str
-    query: dict[str, str]
-    headers: dict[str, str]  # lower-case names
-    remote_host: str
-
-
-@dataclass(frozen=True)
-class HttpResponse:
-    status: int = 200
-    body: bytes = b""
-    content_type: str = "application/json"
-    headers: tuple[tuple[str, str], ...] = ()
-
-
-HttpHandler = Callable[[HttpRequest], Awaitable[HttpResponse]]
 
 
 class Peer:
@@ -150,14 +68,12 @@ class Peer:
         self.authorizer: Authorizer = authorizer or OpenAuthorizer()
         self._identity_lock: IdentityLock | None = None
         self._client_mode = bool(options.client_mode)
-        self._server: websockets.asyncio.server.Server | None = None
-        self._listen_addresses: list[Address] = []
+        self._listener = Listener(options, self._accept_websocket)
         self._connections: dict[PeerID, Connection] = {}
         self._all_connections: set[Connection] = set()
         self._dials: dict[str, asyncio.Future[PeerID]] = {}
         self._address_book: dict[PeerID, list[Address]] = {}
         self._stream_handlers: dict[str, StreamHandler] = {}
-        self._http_routes: dict[str, HttpHandler] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closing = False
         self.relay_client: relay.RelayClient | None = None  # in client mode
@@ -194,41 +110,15 @@ class Peer:
                     logger.warning("initial peer %s unavailable: %s", address, e)
 
     async def _listen(self) -> None:
-        ssl_context = None
-        if self.options.tls_certfile:
-            ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-            ssl_context.load_cert_chain(self.options.tls_certfile, self.options.tls_keyfile)
-        self._server = await websockets.asyncio.server.serve(
-            self._serve_websocket,
-            self.options.host,
-            self.options.port,
-            compression=None,  # permessage-deflate costs 20x throughput on tensors (measured here)
-            max_size=websocket_max_size(self.options.limits.max_frame),
-            max_queue=4,
-            write_limit=2**20,
-            ping_interval=None if self.options.fast_framing else self.options.keepalive_interval,
-            ping_timeout=self.options.keepalive_timeout,
-            close_timeout=1.0,
-            open_timeout=self.options.handshake_timeout,  # slowloris: the HTTP upgrade too
-            ssl=ssl_context,
-            process_request=self._serve_http,
-            logger=WEBSOCKETS_LOG,  # what strangers cause: one DEBUG line each, no traceback
-        )
-        secure = ssl_context is not None
-        for sock in self._server.sockets:
-            host, port = sock.getsockname()[:2]
-            self._listen_addresses.append(Address(host, port, secure, "/", self.peer_id))
+        await self._listener.start(self.peer_id)
         logger.info(
-            "%s listening on %s", self.peer_id.short(), ", ".join(map(str, self._listen_addresses))
+            "%s listening on %s",
+            self.peer_id.short(),
+            ", ".join(map(str, self._listener.addresses)),
         )
 
     async def _stop_listening(self) -> None:
-        server, self._server = self._server, None
-        self._listen_addresses = []
-        if server is not None:
-            server.close()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(server.wait_closed(), 5.0)
+        await self._listener.stop()
 
     async def shutdown(self) -> None:
         """Close every connection and the listening socket, cancel every task (bounded)."""
@@ -272,14 +162,14 @@ class Peer:
             return [str(a) for a in client.relayed_addresses()] if client is not None else []
         if self.options.announce:
             return [str(self._with_own_id(parse_address(a))) for a in self.options.announce]
-        return [str(a) for a in self._listen_addresses]
+        return [str(a) for a in self._listener.addresses]
 
     def _with_own_id(self, address: Address) -> Address:
         return address if address.peer_id is not None else address.with_peer_id(self.peer_id)
 
     @property
     def listen_port(self) -> int | None:
-        return self._listen_addresses[0].port if self._listen_addresses else None
+        return self._listener.addresses[0].port if self._listener.addresses else None
 
     def add_address(self, peer_id: PeerID, address: str | Address) -> None:
         parsed = parse_address(address) if isinstance(address, str) else address
@@ -403,7 +293,9 @@ class Peer:
         if address.relay is not None:
             channel: Channel = await relay.open_relayed_channel(self, address, timeout)
         else:
-            channel = await self._open_websocket(address, min(timeout, self.options.dial_timeout))
+            channel = await transport.dial(
+                address, self.options, min(timeout, self.options.dial_timeout)
+            )
         settings = self._handshake_settings(relayed=address.relay is not None)
         remote, keys = await dial_handshake(
             channel,
@@ -420,136 +312,33 @@ class Peer:
             self.add_address(remote.peer_id, address)
         return remote.peer_id
 
-    async def _open_websocket(self, address: Address, timeout: float) -> Channel:
-        ssl_context = (
-            (self.options.client_ssl or ssl.create_default_context()) if address.secure else None
-        )
-        try:
-            websocket = await websockets.asyncio.client.connect(
-                address.url,
-                compression=None,
-                max_size=websocket_max_size(self.options.limits.max_frame),
-                max_queue=4,
-                write_limit=2**20,
-                open_timeout=timeout,
-                ping_interval=None
-                if self.options.fast_framing
-                else self.options.keepalive_interval,
-                ping_timeout=self.options.keepalive_timeout,
-                ssl=ssl_context,
-                logger=WEBSOCKETS_LOG,
-                **_proxy_options(address),
-            )
-        except (OSError, EOFError, InvalidHandshake, InvalidURI, asyncio.TimeoutError) as e:
-            # (websockets 13 lets EOFError out when the remote side hangs up mid-upgrade.)
-            raise PeerUnavailable(
-                f"cannot open a websocket to {address.url}: {type(e).__name__}: {e}"
-            ) from None
-        if not self.options.fast_framing:
-            return WebSocketChannel(websocket, address.url)
-        # The listener sends nothing before our HELLO, so nothing is buffered in websockets yet.
-        try:
-            return self._take_over(
-                websocket, is_client=True, remote_address=address.url, remote_host=None
-            )
-        except PeerError:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(websocket.close(), 1.0)
-            raise
+    async def probe(self, address: Address, timeout: float) -> None:
+        """Dial ``address`` and run the handshake as a reachability probe, then hang up: the
+        listener answers and keeps no connection (``kit.p2p.reachability``'s dial-back).
 
-    def _take_over(
-        self,
-        websocket: Any,
-        *,
-        is_client: bool,
-        remote_address: str,
-        remote_host: str | None,
-        pending: tuple[bytes, ...] = (),
-    ) -> FastWebSocketChannel:
-        early = _received_beyond(websocket)
-        if early:  # the remote did not wait for its turn (see callers): never lose them silently
-            raise MalformedFrame(
-                f"{remote_address} sent {early} bytes or messages out of turn in the handshake "
-                "- help: upgrade kit on that side"
-            )
-        return FastWebSocketChannel(
-            websocket.transport,
-            is_client=is_client,
-            remote_address=remote_address,
-            remote_host=remote_host,
-            max_size=websocket_max_size(self.options.limits.max_frame),
-            keepalive_interval=self.options.keepalive_interval,
-            keepalive_timeout=self.options.keepalive_timeout,
-            on_lost=websocket.connection_lost,
-            pending=pending,
+        Raises:
+            PeerError / KitTimeout / OSError: nothing answered there with ``address.peer_id``.
+        """
+        channel = await transport.dial(address, self.options, timeout)
+        await dial_handshake(
+            channel,
+            self.identity,
+            self._handshake_settings(probe=True),
+            self.authorizer,
+            expected_peer=address.peer_id,
+            timeout=timeout,
         )
+        await channel.close()
 
     def add_http_route(self, path: str, handler: HttpHandler) -> None:
         """Answer plain HTTP GETs of ``path`` on the listening port (the coordinator's API and
         dashboard share the port, and the TLS certificate, of its websocket endpoint)."""
-        if not path.startswith("/") or path in self._http_routes:
-            raise KitUsageError(f"HTTP route {path!r} must start with / and be registered once")
-        self._http_routes[path] = handler
+        self._listener.add_route(path, handler)
 
-    async def _serve_http(self, connection: Any, request: Any) -> Any:
-        path, _, query = request.path.partition("?")
-        handler = self._http_routes.get(path)
-        # get_all, not get: a repeated Upgrade header made get() raise MultipleValuesError,
-        # logged by websockets as an ERROR per request (found by tests/p2p/test_fuzz.py).
-        upgrade = any(v.lower() == "websocket" for v in request.headers.get_all("Upgrade"))
-        if handler is None or upgrade:
-            # A websocket upgrade (peers dial "/", where the dashboard's page also lives), or
-            # websockets' own 426 answer.
-            return None
-        host = connection.remote_address[0] if connection.remote_address else ""
-        http_request = HttpRequest(
-            path=path,
-            query=dict(urllib.parse.parse_qsl(query)),
-            headers={name.lower(): value for name, value in request.headers.raw_items()},
-            remote_host=host,
-        )
-        try:
-            response = await asyncio.wait_for(handler(http_request), self.options.request_timeout)
-        except Exception as e:
-            logger.warning("HTTP %s failed: %r", path, e)
-            response = HttpResponse(
-                500, f"internal error: {type(e).__name__}".encode(), "text/plain"
-            )
-        headers = Headers(
-            [("Content-Type", response.content_type), ("Content-Length", str(len(response.body)))]
-        )
-        for name, value in response.headers:
-            headers[name] = value
-        return Response(
-            response.status, http.HTTPStatus(response.status).phrase, headers, response.body
-        )
-
-    async def _serve_websocket(self, websocket: websockets.asyncio.server.ServerConnection) -> None:
-        host, port = websocket.remote_address[:2]
-        channel: Channel = WebSocketChannel(websocket, f"{host}:{port}", remote_host=host)
+    async def _accept_websocket(self, channel: Channel) -> None:
+        """Run the listener's handshake on a channel our listening port accepted, then serve it."""
         settings = self._handshake_settings()
         try:
-            if self.options.fast_framing:
-                # The dialer sends its HELLO and then waits for ours: once websockets has handed
-                # us that one message, nothing else is in flight, and we take the transport over.
-                hello = await wait_bounded(
-                    channel.recv(), self.options.handshake_timeout, "waiting for HELLO"
-                )
-                if _received_beyond(websocket):  # e.g. HELLO and AUTH in one write: refuse now
-                    refusal = HandshakeRefused(
-                        Refusal.PROTOCOL.value,
-                        "frames arrived after the HELLO, before ours: a dialer must wait for our "
-                        "HELLO (its AUTH signs our nonce) - help: upgrade kit on the dialing side",
-                    )
-                    await refuse(channel, refusal)
-                    raise refusal
-                channel = self._take_over(
-                    websocket,
-                    is_client=False,
-                    remote_address=channel.remote_address,
-                    remote_host=host,
-                    pending=(hello,),  # type: ignore[arg-type]
-                )
             remote, keys = await accept_handshake(
                 channel,
                 self.identity,
@@ -693,25 +482,6 @@ class Peer:
         return f"<Peer {self.peer_id.short()} {mode} {len(self._connections)} connections>"
 
 
-def _received_beyond(websocket: Any) -> int:
-    """Bytes and messages ``websockets`` holds that nobody has read yet (0 before a takeover)."""
-    buffered = len(websocket.protocol.reader.buffer)
-    frames = getattr(getattr(websocket, "recv_messages", None), "frames", None)
-    try:
-        queued = len(frames) if frames is not None else 0
-    except TypeError:  # another websockets version's queue: the raw buffer check remains
-        queued = 0
-    return buffered + queued
-
-
-def _proxy_options(address: Address) -> dict[str, Any]:
-    """websockets >= 15 dials through the HTTP(S) proxy of the environment, as volunteers behind
-    proxies need; never for loopback addresses. Older websockets (13, 14) have no proxy support."""
-    if _WEBSOCKETS_VERSION < (15,):
-        return {}
-    return {"proxy": None} if address.host in ("127.0.0.1", "::1", "localhost") else {}
-
-
 def _consume_exception(future: asyncio.Future[Any]) -> None:
     if not future.cancelled() and future.exception() is not None:
         logger.debug("background task ended with %r", future.exception())
@@ -754,4 +524,6 @@ async def create_peer(
     return peer
 
 
-__all__ = ["HttpRequest", "HttpResponse", "Peer", "PeerOptions", "create_peer"]
+# HttpRequest, HttpResponse and RelayLimits live in kit.p2p.transport and kit.p2p.options; they
+# stay importable from here, where route handlers and relays have always found them.
+__all__ = ["HttpRequest", "HttpResponse", "Peer", "PeerOptions", "RelayLimits", "create_peer"]

@@ -12,16 +12,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kit.errors import HandshakeRefused, KitTimeout, PeerError, PeerUnavailable
 from kit.p2p import wire
 from kit.p2p.address import Address, AddressError, parse_address
-from kit.p2p.channel import dial_handshake
+from kit.p2p.api import UnaryHandler
+from kit.p2p.connection import Connection
 from kit.p2p.identity import PeerID
-
-if TYPE_CHECKING:
-    from kit.p2p.peer import Peer
+from kit.p2p.options import PeerOptions
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +28,32 @@ DIALBACK = "kit/dialback/1"
 PROBE_TIMEOUT = 5.0
 
 
-def serve_dialback(peer: Peer) -> None:
+class DialBackHost(Protocol):
+    """What the dial-back needs of the peer it runs on (``kit.p2p.peer.Peer`` has it)."""
+
+    options: PeerOptions
+
+    @property
+    def listen_port(self) -> int | None: ...
+
+    def connection(self, peer_id: PeerID) -> Connection | None: ...
+
+    def add_unary_handler(
+        self, protocol: str, handler: UnaryHandler, *, max_request: int = ...
+    ) -> None: ...
+
+    async def connect(self, address: str | Address, *, timeout: float) -> PeerID: ...
+
+    async def call(
+        self, peer_id: PeerID, protocol: str, request: bytes, *, timeout: float
+    ) -> bytes: ...
+
+    async def probe(self, address: Address, timeout: float) -> None:
+        """Dial ``address``, run the handshake as a probe, hang up (raises when it fails)."""
+        ...
+
+
+def serve_dialback(peer: DialBackHost) -> None:
     async def handle(caller: PeerID, request: bytes) -> bytes:
         body = wire.decode_map(request, "dial-back request", {"port": int})
         connection = peer.connection(caller)
@@ -42,25 +66,16 @@ def serve_dialback(peer: Peer) -> None:
     peer.add_unary_handler(DIALBACK, handle, max_request=1024)
 
 
-async def _probe(peer: Peer, address: Address) -> bool:
+async def _probe(peer: DialBackHost, address: Address) -> bool:
     try:
-        channel = await peer._open_websocket(address, PROBE_TIMEOUT)
-        await dial_handshake(
-            channel,
-            peer.identity,
-            peer._handshake_settings(probe=True),
-            peer.authorizer,
-            expected_peer=address.peer_id,
-            timeout=PROBE_TIMEOUT,
-        )
+        await peer.probe(address, PROBE_TIMEOUT)
     except (PeerError, KitTimeout, OSError) as e:
         logger.debug("dial-back to %s failed: %s", address, e)
         return False
-    await channel.close()
     return True
 
 
-async def check_reachable(peer: Peer, initial_peers: Sequence[str]) -> bool:
+async def check_reachable(peer: DialBackHost, initial_peers: Sequence[str]) -> bool:
     """True if some initial peer could dial this peer's listening port back.
 
     Raises:

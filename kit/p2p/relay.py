@@ -20,19 +20,17 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Coroutine
+from typing import Any, Protocol
 
 from kit.errors import ConnectionLost, KitTimeout, PeerError, PeerUnavailable, RemoteProtocolError
 from kit.p2p import wire
 from kit.p2p.address import Address, parse_address
 from kit.p2p.channel import WEBSOCKET_MAX_SIZE
-from kit.p2p.connection import Message, Stream, message_parts
+from kit.p2p.connection import Channel, Message, Stream, message_parts
 from kit.p2p.identity import PeerID
+from kit.p2p.options import PeerOptions, RelayLimits
 from kit.p2p.wire import ResetCode
-
-if TYPE_CHECKING:
-    from kit.p2p.peer import Peer
 
 logger = logging.getLogger(__name__)
 
@@ -42,17 +40,23 @@ INCOMING = "kit/relay/incoming/1"
 CONTROL_MAX = 4096
 
 
-@dataclass(frozen=True)
-class RelayLimits:
-    """What one relay grants each client-mode peer. Lower them on a small coordinator box."""
+class RelayHost(Protocol):
+    """What relaying needs of the peer it runs on (``kit.p2p.peer.Peer`` has it)."""
 
-    max_clients: int = 1024  # registered client-mode peers at once
-    max_circuits_per_peer: int = 64  # concurrent relayed connections to or from one peer
-    max_bytes_per_circuit: int | None = (
-        None  # reset a circuit after this many bytes (None = no cap)
-    )
-    peer_bytes_per_second: float | None = None  # sustained relay bandwidth per peer (None = no cap)
-    peer_burst_bytes: int = 64 * 1024**2  # bytes a peer may send at once above its rate
+    peer_id: PeerID
+    options: PeerOptions
+
+    def get_visible_addresses(self) -> list[str]: ...
+
+    def add_stream_handler(self, protocol: str, handler: Any) -> None: ...
+
+    async def connect(self, address: str | Address, *, timeout: float) -> PeerID: ...
+
+    async def open_stream(self, peer_id: PeerID, protocol: str, *, timeout: float) -> Stream: ...
+
+    async def accept_channel(self, channel: Channel) -> None: ...
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]: ...
 
 
 class TokenBucket:
@@ -108,7 +112,7 @@ async def _control(stream: Stream, timeout: float) -> dict[str, object]:
     return body
 
 
-async def open_relayed_channel(peer: Peer, address: Address, timeout: float) -> StreamChannel:
+async def open_relayed_channel(peer: RelayHost, address: Address, timeout: float) -> StreamChannel:
     """Ask the relay in ``address`` for a circuit to ``address.peer_id``."""
     relay_address, target = address.relay, address.peer_id
     if relay_address is None or target is None:
@@ -133,7 +137,7 @@ class RelayService:
     """The relay side: registrations of client-mode peers and the circuits to them."""
 
     def __init__(
-        self, peer: Peer, limits: RelayLimits | None = None, setup_timeout: float = 10.0
+        self, peer: RelayHost, limits: RelayLimits | None = None, setup_timeout: float = 10.0
     ) -> None:
         self.peer = peer
         self.limits = limits or RelayLimits()
@@ -258,7 +262,7 @@ class RelayClient:
     """The client-mode side: registrations with relays, failover, and incoming circuits."""
 
     def __init__(
-        self, peer: Peer, relays: list[str], *, wanted: int = 2, retry_interval: float = 2.0
+        self, peer: RelayHost, relays: list[str], *, wanted: int = 2, retry_interval: float = 2.0
     ) -> None:
         self.peer = peer
         self.relays = [parse_address(r) for r in relays]

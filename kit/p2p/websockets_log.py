@@ -13,7 +13,8 @@ the server and for dialing): ``websockets``' own chatter (DEBUG, INFO: "connecti
 "connection closed", "HTTP response sent", every header) is off, and its warnings and errors
 about a connection become one DEBUG line without a traceback on ``kit.p2p.websockets``. Errors
 that name kit's own code (a failed HTTP route or connection handler: a bug here) stay ERRORs
-with their traceback. kit logs the connections that matter itself (``kit.p2p.peer``).
+with their traceback. kit logs the connections that matter itself (``kit.p2p.transport``,
+``kit.p2p.peer``).
 
 What this module does not do: kit's own log lines (each module logs to its ``__name__``).
 """
@@ -48,7 +49,7 @@ class WebsocketsLog(logging.LoggerAdapter):  # type: ignore[type-arg]
     def log(self, level: int, msg: object, *args: object, **kwargs: Any) -> None:
         exc_info = kwargs.pop("exc_info", None)
         if msg in KIT_CALLBACK_FAILURES:
-            logging.getLogger("kit.p2p.peer").log(level, msg, *args, exc_info=exc_info, **kwargs)
+            logging.getLogger("kit.p2p.transport").log(level, msg, *args, exc_info=exc_info, **kwargs)
             return
         if level < logging.WARNING or not self.logger.isEnabledFor(logging.DEBUG):
             return

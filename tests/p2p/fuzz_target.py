@@ -68,7 +68,7 @@ async def _http_route(request: HttpRequest) -> HttpResponse:
 
 def _health(peer: Peer, watch: LogWatch) -> Any:
     async def health(request: HttpRequest) -> HttpResponse:
-        server = peer._server
+        server = peer._listener.server
         current = asyncio.current_task()
         tasks = [t for t in asyncio.all_tasks() if t is not current and not t.done()]
         body = {

@@ -34,7 +34,7 @@ async def test_client_mode_peer_is_reachable_through_a_relay() -> None:
     client = await create_peer(relay.get_visible_addresses(), run_id="test", client_mode=True)
     outsider = await create_peer(run_id="test")
     try:
-        assert client.client_mode and client.listen_port is None and client._server is None
+        assert client.client_mode and client.listen_port is None and client._listener.server is None
         (address,) = client.get_visible_addresses()
         assert "/p2p-circuit/p2p/" in address and parse_address(address).peer_id == client.peer_id
         client.add_unary_handler("echo", echo)

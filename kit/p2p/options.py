@@ -1,0 +1,60 @@
+"""How a peer listens, dials, relays and limits its peers: :class:`PeerOptions`.
+
+Pass the fields as keywords of ``kit.p2p.peer.create_peer``. Every field has a working default;
+the comments say when to change one.
+"""
+
+from __future__ import annotations
+
+import ssl
+from dataclasses import dataclass, field
+
+from kit.p2p.mux import MuxLimits
+
+
+@dataclass(frozen=True)
+class RelayLimits:
+    """What one relay grants each client-mode peer. Lower them on a small coordinator box."""
+
+    max_clients: int = 1024  # registered client-mode peers at once
+    max_circuits_per_peer: int = 64  # concurrent relayed connections to or from one peer
+    max_bytes_per_circuit: int | None = (
+        None  # reset a circuit after this many bytes (None = no cap)
+    )
+    peer_bytes_per_second: float | None = None  # sustained relay bandwidth per peer (None = no cap)
+    peer_burst_bytes: int = 64 * 1024**2  # bytes a peer may send at once above its rate
+
+
+@dataclass(frozen=True)
+class PeerOptions:
+    """How a peer listens, dials and limits its peers. Every field has a working default."""
+
+    run_id: str = "kit"  # peers of other runs are refused at the handshake
+    config_hash: str = (
+        ""  # hash of the run config; peers with another one are refused ("" = no check)
+    )
+    host: str = "127.0.0.1"  # where to listen; "0.0.0.0" = every interface (public peers)
+    port: int = 0  # 0 = any free port
+    announce: tuple[str, ...] = ()  # addresses others should dial, if not the listening one
+    client_mode: bool | None = False  # True = no listening socket (NAT); None = detect by dial-back
+    relay_service: bool = False  # relay streams for client-mode peers (public peers, coordinators)
+    relays: tuple[
+        str, ...
+    ] = ()  # relays a client-mode peer registers with (default: initial peers)
+    relay_limits: RelayLimits = field(default_factory=RelayLimits)  # what a relay grants each peer
+    tls_certfile: str | None = None  # serve wss:// with this certificate chain (PEM)
+    tls_keyfile: str | None = None  # ... and this private key (PEM)
+    client_ssl: ssl.SSLContext | None = (
+        None  # for dialing wss://; None = system CAs, verification on
+    )
+    limits: MuxLimits = field(default_factory=MuxLimits)  # per-connection stream and flow limits
+    handshake_timeout: float = 10.0  # increase if you see handshake timeouts on slow links
+    dial_timeout: float = 10.0  # TCP + websocket opening; increase on very slow links
+    keepalive_interval: float = (
+        20.0  # websocket pings; a dead peer is noticed after interval+timeout
+    )
+    keepalive_timeout: float = 20.0
+    request_timeout: float = 30.0  # how long a unary handler may wait for the caller's request
+    idle_timeout: float = 300.0  # close connections without streams for this long (0 = never)
+    frame_auth: bool = False  # MAC every frame (on by itself with a private-run authorizer)
+    fast_framing: bool = True  # kit's own zero-copy websocket framing after the upgrade (2x faster)
