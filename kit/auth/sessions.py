@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kit.auth.revocation import RevocationList
 from kit.auth.tokens import MAX_TOKEN_BYTES, AccessToken, verify_token
@@ -39,7 +39,6 @@ from kit.p2p.identity import PeerID
 from kit.p2p.wire import Refusal
 
 if TYPE_CHECKING:
-    from kit.auth.authorizer import AllowlistAuthorizer
     from kit.p2p.connection import Connection
     from kit.p2p.peer import Peer
 
@@ -48,6 +47,26 @@ logger = logging.getLogger(__name__)
 #: Asks the remote side of a connection for its current access token (request: empty).
 TOKEN_PROTOCOL = "kit/auth/1/token"
 TOKEN_REQUEST_TIMEOUT = 10.0  # seconds one token request may take
+
+
+class GuardedAuthorizer(Protocol):
+    """What the guard reads of its authorizer (``kit.auth.authorizer.AllowlistAuthorizer``)."""
+
+    authority_public_key: bytes
+    clock_skew: float
+    refresh_before: float
+
+    def clock(self) -> float: ...
+
+    def keep_fresh(self) -> None: ...
+
+    def update_revocations(self, revocations: RevocationList) -> bool: ...
+
+    def check_token_revoked(
+        self, token: AccessToken, peer_public_key: bytes, now: float, *, run_id: str | None = None
+    ) -> None: ...
+
+    async def credentials(self) -> bytes: ...
 
 
 class SessionGuard:
@@ -61,7 +80,7 @@ class SessionGuard:
         period: seconds between checks. Decrease this if banned peers stay connected too long.
     """
 
-    def __init__(self, peer: Peer, authorizer: AllowlistAuthorizer, *, period: float) -> None:
+    def __init__(self, peer: Peer, authorizer: GuardedAuthorizer, *, period: float) -> None:
         self.peer = peer
         self.authorizer = authorizer
         self.period = period
