@@ -20,7 +20,7 @@ COMMAND_MODULES = (
     "kit.preflight",
     "kit.p2p.demo",
     "kit.data.cli",
-    "kit.evaluation.command",
+    "kit.evaluate_cli",
     "kit.dht.cli",
     # kit-cli-modules (rooms add their module above this line)
 )

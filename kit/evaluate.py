@@ -50,7 +50,13 @@ from kit.evaluation.finetune import FinetuneConfig, RunResult, finetune
 from kit.evaluation.metrics import MeanStd, accuracy, entity_scores, mean_std
 from kit.evaluation.mlm import MaskedLMResult
 from kit.evaluation.mlm import masked_lm_loss as _masked_lm_loss
-from kit.evaluation.plan import EvaluationPlan, plan_evaluation, run_checkpoint
+from kit.evaluation.plan import (
+    DEFAULT_BASELINES,
+    SAHAJBERT,
+    EvaluationPlan,
+    plan_evaluation,
+    run_checkpoint,
+)
 from kit.evaluation.report import (
     PAPER_RESULTS,
     ModelRow,
@@ -98,16 +104,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-#: The published sahajBERT (recipes §5.5).
-SAHAJBERT = Checkpoint("neuropark/sahajBERT", name="sahajBERT")
-#: The paper's baselines. The bnRoBERTa id is the one the blog names; the XLM-R and IndicBERT
-#: ids are the Hub's canonical ones (the blog gives only the names).
-DEFAULT_BASELINES: tuple[Checkpoint, ...] = (
-    Checkpoint("FacebookAI/xlm-roberta-large", name="XLM-R large"),
-    Checkpoint("ai4bharat/indic-bert", name="IndicBERT"),
-    Checkpoint("neuralspace-reverie/indic-transformers-bn-roberta", name="bnRoBERTa"),
-)
 
 ModelLike = str | os.PathLike[str] | Checkpoint
 Datasets = Mapping[str, DatasetSource | str] | None

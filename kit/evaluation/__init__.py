@@ -1,4 +1,5 @@
-"""The researcher's evaluation room behind ``notebooks/evaluate.ipynb`` (entry: ``kit.evaluate``).
+"""The researcher's evaluation room behind ``notebooks/evaluate.ipynb`` (entry: ``kit.evaluate``;
+its command ``kit evaluate ...``: ``kit.evaluate_cli``).
 
 Map of the package (each module imports only those above it):
 
@@ -9,8 +10,9 @@ Map of the package (each module imports only those above it):
                     classification): dataset loading, schema checks, tokenization
     finetune.py     the plain torch fine-tuning loop and its frozen ``FinetuneConfig``
     mlm.py          masked-LM loss / perplexity of a checkpoint on held-out text
+    plan.py         what the notebook runs by default on this device (the paper's baselines,
+                    seeds) and how long it will take
     report.py       the paper-style table, the metric-vs-step plot, JSON/CSV files
-    command.py      ``kit evaluate ...`` (imports the heavy modules only when run)
 
 Importing this package imports nothing heavy; ``torch`` and ``transformers`` load with the
 modules that need them.

@@ -31,6 +31,16 @@ from kit.evaluation.tasks import get_task
 
 logger = logging.getLogger(__name__)
 
+#: The published sahajBERT (recipes §5.5).
+SAHAJBERT = Checkpoint("neuropark/sahajBERT", name="sahajBERT")
+#: The paper's baselines. The bnRoBERTa id is the one the blog names; the XLM-R and IndicBERT
+#: ids are the Hub's canonical ones (the blog gives only the names).
+DEFAULT_BASELINES: tuple[Checkpoint, ...] = (
+    Checkpoint("FacebookAI/xlm-roberta-large", name="XLM-R large"),
+    Checkpoint("ai4bharat/indic-bert", name="IndicBERT"),
+    Checkpoint("neuralspace-reverie/indic-transformers-bn-roberta", name="bnRoBERTa"),
+)
+
 #: Seeds per model and task in the paper's table.
 PAPER_SEEDS = 3
 #: Examples per split of the real datasets (the Hub's WikiANN ``bn`` and IndicGLUE ``sna.bn``).
@@ -175,8 +185,6 @@ def plan_evaluation(
     step: StepTimer = time_one_step,
 ) -> EvaluationPlan:
     """Fill in the notebook's ``None`` settings by the device (see the module docstring)."""
-    from kit.evaluate import DEFAULT_BASELINES, SAHAJBERT
-
     config = config or FinetuneConfig()
     device = device or str(resolve_device(config.device).type)
     gpu = device != "cpu"
