@@ -36,16 +36,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from kit.errors import ConfigError, EvaluationError
-from kit.evaluation.checkpoints import (
-    CHECKPOINT_FOLDER_FORMAT,
-    CHECKPOINT_INFO_FILE,
-    Checkpoint,
-    as_checkpoint,
-    list_checkpoints,
-    parse_commit_title,
-    read_checkpoint_info,
-    write_checkpoint_info,
-)
+from kit.evaluation.checkpoints import Checkpoint, as_checkpoint, list_checkpoints
 from kit.evaluation.finetune import FinetuneConfig, RunResult, finetune
 from kit.evaluation.metrics import MeanStd, accuracy, entity_scores, mean_std
 from kit.evaluation.mlm import MaskedLMResult
@@ -66,6 +57,13 @@ from kit.evaluation.report import (
     show,
 )
 from kit.evaluation.tasks import TASKS, DatasetSource, TaskData, TaskSpec, get_task, load_task_data
+from kit.training.checkpoint_format import (
+    CHECKPOINT_FOLDER_FORMAT,
+    CHECKPOINT_INFO_FILE,
+    parse_commit_title,
+    read_checkpoint_info,
+    write_checkpoint_info,
+)
 
 __all__ = [
     "CHECKPOINT_FOLDER_FORMAT",

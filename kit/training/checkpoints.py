@@ -5,7 +5,8 @@ scheduler state are written and read back without pickle by ``training_state``) 
 keep, when to push, what to restore after a restart). It does not decide *what* the state is
 (the coordinator downloads it from peers) nor evaluate checkpoints (``kit.evaluation``).
 
-One checkpoint is one folder, in the series format that ``kit.evaluation.checkpoints`` lists::
+One checkpoint is one folder, in the series format of ``checkpoint_format`` (which
+``kit.evaluation.checkpoints`` lists)::
 
     <checkpoint.folder>/
         step_000120/
@@ -25,13 +26,12 @@ safetensors + JSON and validated before use.
 
 On the Hub the repo's root always holds the newest checkpoint (so ``from_pretrained(repo)`` gets
 the latest model), and its history is the series: each push is one commit titled
-``"step 120, loss 3.2100"``, which ``kit.evaluation.checkpoints.parse_commit_title`` reads.
+``"step 120, loss 3.2100"`` (``checkpoint_format.commit_title``).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import re
 import shutil
@@ -51,9 +51,10 @@ from kit.errors import (
     KitUsageError,
     MalformedTrainingState,
 )
-from kit.evaluation.checkpoints import (
+from kit.training.checkpoint_format import (
     CHECKPOINT_FOLDER_FORMAT,
     CHECKPOINT_INFO_FILE,
+    commit_title,
     read_checkpoint_info,
     write_checkpoint_info,
 )
@@ -201,17 +202,6 @@ def _complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
             continue
         found.append((step, folder))
     return sorted(found)
-
-
-def commit_title(step: int, loss: float | None) -> str:
-    """The Hub commit title of a checkpoint, e.g. ``"step 120, loss 3.2100"``.
-
-    ``kit.evaluation.checkpoints.parse_commit_title`` reads it back; an unknown loss is written
-    as ``"loss unknown"``, which it reads as None (like the null in ``kit_checkpoint.json``).
-    """
-    if loss is None or not math.isfinite(loss):
-        return f"step {step}, loss unknown"
-    return f"step {step}, loss {loss:.4f}"
 
 
 # --- the coordinator's manager ----------------------------------------------------------------

@@ -11,18 +11,20 @@ import torch
 
 from kit.errors import CheckpointError, VocabularyMismatch
 from kit.evaluation.checkpoints import (
-    CHECKPOINT_INFO_FILE,
     Checkpoint,
     as_checkpoint,
     check_vocabulary,
     list_checkpoints,
-    parse_commit_title,
-    read_checkpoint_info,
     resolve_device,
     resolve_endpoint,
-    write_checkpoint_info,
 )
 from kit.evaluation.mlm import masked_lm_loss
+from kit.training.checkpoint_format import (
+    CHECKPOINT_INFO_FILE,
+    parse_commit_title,
+    read_checkpoint_info,
+    write_checkpoint_info,
+)
 from tests.evaluation import tiny
 from tests.evaluation.conftest import TinyWorld
 

@@ -21,12 +21,12 @@ from transformers import AlbertConfig, AlbertForPreTraining
 
 from kit.config import CheckpointConfig
 from kit.errors import CheckpointRestoreFailed, KitUsageError, MalformedTrainingState
-from kit.evaluation.checkpoints import list_checkpoints, parse_commit_title
+from kit.evaluation.checkpoints import list_checkpoints
 from kit.testing.fake_hub import FakeHub
 from kit.training import checkpoints
+from kit.training.checkpoint_format import commit_title, parse_commit_title
 from kit.training.checkpoints import (
     CheckpointManager,
-    commit_title,
     load_training_state,
     save_checkpoint,
 )
