@@ -2,7 +2,7 @@
 
 Read in this order: ``status`` (the snapshot the UI draws, torch-free) → ``lamb`` (the LAMB
 optimizer) → ``components`` (model, optimizer, schedule, codecs and ``kit.Optimizer`` from a
-``RunConfig``) → ``trainer`` (the local training loop) → ``training_state`` (optimizer state on
+``RunConfig``) → ``calculator`` (the organizer's memory table) → ``trainer`` (the local training loop) → ``training_state`` (optimizer state on
 disk, no pickle) → ``checkpoints`` (saving, pushing to the Hub, restoring) → ``auxiliary`` (the
 coordinator's peer).
 """

@@ -5,16 +5,19 @@ per micro-batch size under each memory layout (fp32, fp16/bf16 autocast, 8-bit o
 statistics, optimizer offloaded to the CPU), from the analytic model :func:`estimate_memory`,
 and :func:`memory_table_html` to show it in the config notebook. Parameter sharing is in the
 numbers already (ALBERT's shared layer is counted once in the weights, every time in the
-activations). It decides nothing: ``plan`` does that on each volunteer's machine.
+activations). It decides nothing: ``kit.hardware.plan`` does that on each volunteer's machine.
 """
 
 from __future__ import annotations
 
 import html
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kit.hardware.memory import estimate_memory, needs_from_model
+
+if TYPE_CHECKING:
+    from kit.config import RunConfig
 
 #: (label, precision, 8-bit optimizer, offload) of each column, cheapest memory last.
 LAYOUTS = (
@@ -32,12 +35,12 @@ COMMON_GPUS = (
 
 
 def memory_table(
-    config: Any, micro_batches: Sequence[int] = (1, 2, 4, 8, 16)
+    config: RunConfig, micro_batches: Sequence[int] = (1, 2, 4, 8, 16)
 ) -> list[dict[str, Any]]:
     """One row per micro-batch and layout: GPU bytes, CPU RAM bytes, and which GPUs fit it.
 
     Args:
-        config: a ``kit.config.RunConfig`` (its model, sequence length and optimizer).
+        config: the run (its model, sequence length and optimizer).
         micro_batches: the micro-batch sizes to show.
     """
     from kit.training.components import build_model
