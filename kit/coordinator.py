@@ -400,7 +400,7 @@ class Coordinator:
     @property
     def http_url(self) -> str:
         """``http(s)://host:port`` of the coordinator's port (dashboard, token, run info)."""
-        from kit.p2p.address import parse_address
+        from kit.address import parse_address
 
         address = parse_address(self.addresses[0])
         scheme = "https" if address.secure else "http"

@@ -53,7 +53,7 @@ def coordinator_url(address: str) -> str:
         return text
     if text.startswith(("ws://", "wss://")):
         return "http" + text[2:]
-    from kit.p2p.address import AddressError, parse_address
+    from kit.address import AddressError, parse_address
 
     try:
         parsed = parse_address(text)
@@ -105,7 +105,7 @@ def fetch_run_info(
             "the coordinator's config hash differs from the one this kit computes - help: "
             "install the organizer's kit (the join notebook does: INSTALL = True)"
         )
-    from kit.p2p.identity import b58decode
+    from kit.address import b58decode
 
     return RunInfo(
         url=url,

@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from kit.address import AddressError, b58decode, parse_address
 from kit.config.fields import (
     _as_tuple,
     _check_keys,
@@ -112,9 +113,6 @@ class AccessConfig:
 
 
 def _check_authority_key(where: str, text: object) -> None:
-    # Imported here: kit.config must stay light for the coordinator and for tests.
-    from kit.p2p.identity import b58decode
-
     check_text(where, text, hint="paste the key the coordinator prints, or null")
     assert isinstance(text, str)
     try:
@@ -132,8 +130,6 @@ def _check_authority_key(where: str, text: object) -> None:
 
 
 def _check_address(where: str, text: object) -> None:
-    from kit.p2p.address import AddressError, parse_address
-
     check_text(where, text, hint="write the address the coordinator prints, or null")
     try:
         parse_address(str(text))

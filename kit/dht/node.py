@@ -303,7 +303,7 @@ class DHTNode:
 
         Raises:
             BootstrapFailed: peers were given but none answered.
-            ValueError: an address is malformed (ConfigError, kit.p2p.address.AddressError).
+            ValueError: an address is malformed (ConfigError, kit.address.AddressError).
         """
         self._check_running()
         self._initial_peers = tuple(initial_peers)

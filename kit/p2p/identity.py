@@ -2,7 +2,9 @@
 
 A PeerID is the SHA-256 of the raw 32-byte Ed25519 public key, shown in base58 (like libp2p's
 and hivemind's PeerIDs). Whoever claims a PeerID must prove possession of the matching private
-key during the handshake (``kit.p2p.handshake``), so PeerIDs cannot be impersonated.
+key during the handshake (``kit.p2p.handshake``), so PeerIDs cannot be impersonated. The class
+and the base58 codec live in ``kit.address`` (config validates addresses without the p2p layer)
+and are importable from here too.
 
 Key files hold the raw 32-byte private key (owner-only permissions, 0600). A running peer keeps
 an exclusive lock on its key file: two peers started with the same identity file would fight over
@@ -12,7 +14,6 @@ one PeerID (hivemind users hit this by copying key files), so the second one get
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 from pathlib import Path
@@ -22,85 +23,13 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from kit.address import PeerID
+from kit.address import b58decode as b58decode  # re-exported: importers of kit.p2p.identity
+from kit.address import b58encode as b58encode  # (auth, dht, coordinator) find them here
 from kit.errors import IdentityError, IdentityInUse
-
-_B58_ALPHABET = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
-_B58_INDEX = {char: index for index, char in enumerate(_B58_ALPHABET)}
 
 PUBLIC_KEY_SIZE = 32
 SIGNATURE_SIZE = 64
-
-
-def b58encode(data: bytes) -> str:
-    number = int.from_bytes(data, "big")
-    out = []
-    while number:
-        number, remainder = divmod(number, 58)
-        out.append(_B58_ALPHABET[remainder])
-    leading_zeros = len(data) - len(data.lstrip(b"\0"))
-    return "1" * leading_zeros + "".join(reversed(out))
-
-
-def b58decode(text: str) -> bytes:
-    number = 0
-    for char in text:
-        if char not in _B58_INDEX:
-            raise ValueError(f"invalid base58 character {char!r}")
-        number = number * 58 + _B58_INDEX[char]
-    leading_ones = len(text) - len(text.lstrip("1"))
-    body = number.to_bytes((number.bit_length() + 7) // 8, "big") if number else b""
-    return b"\0" * leading_ones + body
-
-
-class PeerID:
-    """A peer's identity: SHA-256 of its Ed25519 public key (32 bytes), printed in base58."""
-
-    __slots__ = ("_bytes",)
-    SIZE = 32
-
-    def __init__(self, raw: bytes) -> None:
-        if not isinstance(raw, bytes) or len(raw) != self.SIZE:
-            raise ValueError(f"a PeerID is {self.SIZE} bytes, got {raw!r:.60}")
-        self._bytes = raw
-
-    @classmethod
-    def from_public_key(cls, public_key: bytes) -> PeerID:
-        return cls(hashlib.sha256(public_key).digest())
-
-    @classmethod
-    def from_base58(cls, text: str) -> PeerID:
-        try:
-            return cls(b58decode(text))
-        except ValueError as e:
-            raise ValueError(f"{text!r} is not a kit PeerID: {e}") from None
-
-    def to_bytes(self) -> bytes:
-        return self._bytes
-
-    def to_base58(self) -> str:
-        return b58encode(self._bytes)
-
-    def short(self) -> str:
-        """A short form for logs: the last 6 base58 characters."""
-        return "…" + self.to_base58()[-6:]
-
-    def __bytes__(self) -> bytes:
-        return self._bytes
-
-    def __str__(self) -> str:
-        return self.to_base58()
-
-    def __repr__(self) -> str:
-        return f"PeerID({self.to_base58()})"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, PeerID) and other._bytes == self._bytes
-
-    def __lt__(self, other: PeerID) -> bool:
-        return self._bytes < other._bytes
-
-    def __hash__(self) -> int:
-        return hash(self._bytes)
 
 
 def verify_signature(public_key: bytes, signature: bytes, data: bytes) -> bool:

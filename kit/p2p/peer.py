@@ -24,6 +24,7 @@ import os
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
+from kit.address import Address, parse_address
 from kit.errors import (
     AuthError,
     HandshakeRefused,
@@ -35,7 +36,6 @@ from kit.errors import (
     Revoked,
 )
 from kit.p2p import reachability, relay, transport
-from kit.p2p.address import Address, parse_address
 from kit.p2p.api import DEFAULT_MAX_MESSAGE, StreamHandler, UnaryHandler
 from kit.p2p.channel import Authorizer, OpenAuthorizer, accept_handshake, dial_handshake
 from kit.p2p.connection import Channel, Connection, Stream, wait_bounded
@@ -498,7 +498,7 @@ async def create_peer(
     """Start a peer (on the running loop) and connect it to ``initial_peers``.
 
     Args:
-        initial_peers: addresses of peers already in the run (any form of ``kit.p2p.address``).
+        initial_peers: addresses of peers already in the run (any form of ``kit.address``).
         identity: an explicit identity; default: ``identity_path`` or a fresh one.
         identity_path: a key file, created if missing and locked while this peer runs.
         authorizer: who may connect (default: everyone in the same run).

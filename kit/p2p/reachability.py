@@ -14,9 +14,9 @@ import logging
 from collections.abc import Sequence
 from typing import Protocol
 
+from kit.address import Address, AddressError, parse_address
 from kit.errors import HandshakeRefused, KitTimeout, PeerError, PeerUnavailable
 from kit.p2p import wire
-from kit.p2p.address import Address, AddressError, parse_address
 from kit.p2p.api import UnaryHandler
 from kit.p2p.connection import Connection
 from kit.p2p.identity import PeerID

@@ -23,9 +23,9 @@ import time
 from collections.abc import Coroutine
 from typing import Any, Protocol
 
+from kit.address import Address, parse_address
 from kit.errors import ConnectionLost, KitTimeout, PeerError, PeerUnavailable, RemoteProtocolError
 from kit.p2p import wire
-from kit.p2p.address import Address, parse_address
 from kit.p2p.channel import WEBSOCKET_MAX_SIZE
 from kit.p2p.connection import Channel, Message, Stream, message_parts
 from kit.p2p.identity import PeerID

@@ -35,6 +35,7 @@ from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 from websockets.http11 import Response
 
+from kit.address import Address
 from kit.errors import (
     ConnectionLost,
     HandshakeRefused,
@@ -44,7 +45,6 @@ from kit.errors import (
     PeerError,
     PeerUnavailable,
 )
-from kit.p2p.address import Address
 from kit.p2p.channel import refuse, websocket_max_size
 from kit.p2p.connection import Channel, Message, message_bytes, wait_bounded
 from kit.p2p.identity import PeerID

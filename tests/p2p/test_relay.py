@@ -7,8 +7,8 @@ import time
 
 import pytest
 
+from kit.address import parse_address
 from kit.errors import ConnectionLost, PeerUnavailable, StreamReset
-from kit.p2p.address import parse_address
 from kit.p2p.identity import PeerID
 from kit.p2p.peer import Peer, create_peer
 from kit.p2p.relay import RelayLimits, TokenBucket

@@ -1,4 +1,9 @@
-"""Peer addresses: multiaddr-style strings (hivemind's ``get_visible_maddrs()`` shape) and URLs.
+"""How peers are named and found: PeerIDs (base58) and addresses. Standard library only.
+
+A PeerID is the SHA-256 of a peer's Ed25519 public key (``kit.p2p.identity`` holds the keys and
+proves possession in the handshake), written in base58 like libp2p's and hivemind's.
+
+Addresses are multiaddr-style strings (hivemind's ``get_visible_maddrs()`` shape) and URLs.
 
 Accepted forms::
 
@@ -11,15 +16,91 @@ Accepted forms::
 
 The peer id part is optional when dialing: the handshake tells who answered, and when it is
 given, a different answer is refused (a stale address never silently reaches another peer).
+
+What this module does not do: keys and signatures (``kit.p2p.identity``), dialing (``kit.p2p``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import urllib.parse
 from dataclasses import dataclass
 
-from kit.p2p.identity import PeerID
+_B58_ALPHABET = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
+_B58_INDEX = {char: index for index, char in enumerate(_B58_ALPHABET)}
+
+
+def b58encode(data: bytes) -> str:
+    number = int.from_bytes(data, "big")
+    out = []
+    while number:
+        number, remainder = divmod(number, 58)
+        out.append(_B58_ALPHABET[remainder])
+    leading_zeros = len(data) - len(data.lstrip(b"\0"))
+    return "1" * leading_zeros + "".join(reversed(out))
+
+
+def b58decode(text: str) -> bytes:
+    number = 0
+    for char in text:
+        if char not in _B58_INDEX:
+            raise ValueError(f"invalid base58 character {char!r}")
+        number = number * 58 + _B58_INDEX[char]
+    leading_ones = len(text) - len(text.lstrip("1"))
+    body = number.to_bytes((number.bit_length() + 7) // 8, "big") if number else b""
+    return b"\0" * leading_ones + body
+
+
+class PeerID:
+    """A peer's identity: SHA-256 of its Ed25519 public key (32 bytes), printed in base58."""
+
+    __slots__ = ("_bytes",)
+    SIZE = 32
+
+    def __init__(self, raw: bytes) -> None:
+        if not isinstance(raw, bytes) or len(raw) != self.SIZE:
+            raise ValueError(f"a PeerID is {self.SIZE} bytes, got {raw!r:.60}")
+        self._bytes = raw
+
+    @classmethod
+    def from_public_key(cls, public_key: bytes) -> PeerID:
+        return cls(hashlib.sha256(public_key).digest())
+
+    @classmethod
+    def from_base58(cls, text: str) -> PeerID:
+        try:
+            return cls(b58decode(text))
+        except ValueError as e:
+            raise ValueError(f"{text!r} is not a kit PeerID: {e}") from None
+
+    def to_bytes(self) -> bytes:
+        return self._bytes
+
+    def to_base58(self) -> str:
+        return b58encode(self._bytes)
+
+    def short(self) -> str:
+        """A short form for logs: the last 6 base58 characters."""
+        return "…" + self.to_base58()[-6:]
+
+    def __bytes__(self) -> bytes:
+        return self._bytes
+
+    def __str__(self) -> str:
+        return self.to_base58()
+
+    def __repr__(self) -> str:
+        return f"PeerID({self.to_base58()})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PeerID) and other._bytes == self._bytes
+
+    def __lt__(self, other: PeerID) -> bool:
+        return self._bytes < other._bytes
+
+    def __hash__(self) -> int:
+        return hash(self._bytes)
 
 
 class AddressError(ValueError):

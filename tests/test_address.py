@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kit.p2p.address import AddressError, parse_address
+from kit.address import AddressError, parse_address
 from kit.p2p.identity import Identity
 
 
