@@ -7,7 +7,6 @@ several times and logs the throughput. It exercises the whole stack (identity, h
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import os
@@ -18,6 +17,7 @@ from tqdm.auto import tqdm
 from kit.p2p.api import StreamAPI
 from kit.p2p.peer import create_peer
 from kit.p2p.tensors import TensorHeader, receive_tensor, send_tensor
+from kit.runtime import get_runtime
 
 logger = logging.getLogger(__name__)
 PROTOCOL = "kit/demo/tensor/1"
@@ -59,7 +59,9 @@ async def run_demo(
 
 
 def _handle(args: argparse.Namespace) -> int:
-    result = asyncio.run(run_demo(args.size_mb, args.repeats))
+    # Every wait in run_demo is bounded (30 s per tensor); this bounds the whole run too.
+    timeout = 60.0 + 60.0 * args.repeats
+    result = get_runtime().call(run_demo(args.size_mb, args.repeats), timeout=timeout)
     logger.info(
         "peer-to-peer throughput: %.0f MB/s (best), %.0f MB/s (median)",
         result["best_mb_s"],

@@ -24,6 +24,7 @@ import sys
 from collections.abc import Sequence
 
 from kit.errors import ConfigError
+from kit.runtime import get_runtime
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     proxy.add_argument("--stall", type=float, default=0.2, help="seconds a 'lost' chunk costs")
     proxy.add_argument("--lifetime", type=float, default=3600.0, help="exit after this long")
     args = proxy.parse_args(argv)
-    asyncio.run(_serve_proxy(args))
+    get_runtime().call(_serve_proxy(args), timeout=args.lifetime + 10.0)  # kit's one loop
     return 0
 
 
