@@ -1,9 +1,11 @@
 """Tensor codecs for averaging: hivemind's six wire formats, fast, and checked on receipt.
 
 Holds the codec classes (same names, wire ids and byte layouts as ``hivemind.compression``, so
-hivemind scripts port), the adaptive delegates, ``SerializedTensor`` (a msgpack-able header plus
-raw bytes) with its validating parser, ``extract`` and ``is_finite``. It does not hold the wire
-framing or chunk streaming (``kit.averaging.partition`` and the all-reduce), and never pickles.
+hivemind scripts port), the adaptive delegates, ``extract`` and ``is_finite``; the names of
+``kit.averaging.serialized`` (``SerializedTensor``, a msgpack-able header plus raw bytes, with
+its validating parser; ``CompressionInfo``; ``Codec``) are importable from here too. It does not
+hold the wire framing or chunk streaming (``kit.averaging.partition`` and the all-reduce), and
+never pickles.
 
 Byte layouts (little-endian; ``n`` elements; ``r`` rows of the last axis)::
 
@@ -25,8 +27,6 @@ faults, outputs are written in place into the final buffer, and decoding is one 
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import logging
 import math
 from abc import ABC, abstractmethod
@@ -36,35 +36,27 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from kit.errors import ConfigError, InvalidTensor, NonFiniteLocalTensor, NonFiniteTensor
+from kit.averaging.serialized import (
+    BLOCK_SIZE,
+    DEFAULT_MAX_NUMEL,
+    DTYPE_NAMES,
+    DTYPES,
+    FLOAT_DTYPES,
+    MAX_NDIM,
+    N_BINS,
+    Buffer,
+    Codec,
+    CompressionInfo,
+    SerializedTensor,
+    TensorDescriptor,
+    TensorRole,
+    check_layout,
+    stats_rows,
+)
+from kit.errors import ConfigError, NonFiniteLocalTensor, NonFiniteTensor
 
 logger = logging.getLogger(__name__)
 
-Buffer = bytes | bytearray | memoryview
-
-
-class Codec(enum.IntEnum):
-    """Wire ids of the codecs: hivemind's ``runtime.proto`` ``CompressionType``, unchanged."""
-
-    NONE = 0
-    MEANSTD_16BIT = 1
-    FLOAT16 = 2
-    QUANTILE_8BIT = 3
-    UNIFORM_8BIT = 4
-    BLOCKWISE_8BIT = 5
-
-
-DTYPES: dict[str, torch.dtype] = {  # numpy's names: the strings hivemind peers send
-    **{name: getattr(torch, name) for name in ("float16", "bfloat16", "float32", "float64")},
-    **{name: getattr(torch, name) for name in ("uint8", "int8", "int16", "int32", "int64")},
-    "bool": torch.bool,
-}
-FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
-DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
-MAX_NDIM = 32  # more axes than any model tensor has; bounds the work of parsing a header
-DEFAULT_MAX_NUMEL = 2**31 - 1  # 8 GiB of float32; the all-reduce passes a tighter limit
-N_BINS = 256  # 8-bit codebooks always have 256 entries, as hivemind's
-BLOCK_SIZE = 4096  # bitsandbytes' default block, the one hivemind peers use
 RANGE_IN_SIGMAS = 6  # Uniform8BitQuantization's bucket range (hivemind's RANGE_IN_SIGMAS)
 QUANTILE_SAMPLE = 2**14  # values sampled to place the quantile borders: 64 per bucket
 QUANTILE_GRID = 2**16  # fine bins of the border lookup table (see Quantile8BitQuantization)
@@ -85,152 +77,6 @@ def is_finite(tensor: torch.Tensor) -> bool:
     if bool(torch.isfinite(tensor.sum(dtype=accumulate))):
         return True
     return bool(torch.isfinite(tensor).all())
-
-
-class TensorRole(enum.Enum):
-    """What a tensor is to the model (``RoleAdaptiveCompression`` picks a codec by it)."""
-
-    ACTIVATION = enum.auto()
-    PARAMETER = enum.auto()
-    GRADIENT = enum.auto()
-    OPTIMIZER = enum.auto()
-    UNSPECIFIED = enum.auto()
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorDescriptor:
-    """Shape and dtype of a whole tensor: what codecs may look at before compressing."""
-
-    shape: tuple[int, ...]  # the whole tensor's shape, also when a chunk of it is compressed
-    dtype: torch.dtype  # its dtype
-
-    @classmethod
-    def from_tensor(cls, tensor: torch.Tensor) -> TensorDescriptor:
-        return cls(tuple(tensor.shape), tensor.dtype)
-
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
-@dataclasses.dataclass(frozen=True)
-class CompressionInfo:
-    """Which tensor is being compressed (as hivemind's): adaptive codecs choose by it."""
-
-    key: Any  # name or index of the tensor
-    descriptor: TensorDescriptor  # the whole tensor, also when a part of it is compressed
-    role: TensorRole = TensorRole.UNSPECIFIED  # what the tensor is to the model
-    part_index: int = 0  # index of the part when the tensor is sliced for streaming
-    part_size: int | None = None  # most values per part, if sliced
-
-    @classmethod
-    def from_tensor(cls, tensor: torch.Tensor, key: Any = None, **kwargs: Any) -> CompressionInfo:
-        return cls(key, TensorDescriptor.from_tensor(tensor), **kwargs)
-
-    def get_part(self, part_index: int, part_size: int | None) -> CompressionInfo:
-        return dataclasses.replace(self, part_index=part_index, part_size=part_size)
-
-
-@dataclasses.dataclass(frozen=True)
-class SerializedTensor:
-    """One compressed tensor: a small header (``header()``) and the raw ``buffer``.
-
-    ``buffer`` may share memory with the tensor that was compressed (NoCompression, or
-    Float16Compression of a float16 tensor): send it before changing that tensor.
-    """
-
-    codec: Codec  # how ``buffer`` is laid out
-    dtype: str  # the original dtype's name; ``extract`` returns this dtype
-    shape: tuple[int, ...]  # the original shape
-    buffer: Buffer  # the payload, laid out as the codec says
-
-    def header(self) -> dict[str, Any]:
-        """The msgpack-able header to send before ``buffer``."""
-        nbytes = memoryview(self.buffer).nbytes
-        return {
-            "codec": int(self.codec),
-            "dtype": self.dtype,
-            "shape": list(self.shape),
-            "nbytes": nbytes,
-        }
-
-    @classmethod
-    def from_header(
-        cls, header: Any, buffer: Buffer, *, max_numel: int = DEFAULT_MAX_NUMEL
-    ) -> SerializedTensor:
-        """Check a received header and buffer against each other before anything is decoded.
-
-        Args:
-            header: the decoded msgpack header (untrusted).
-            buffer: the received payload (untrusted); it is read, never aliased, by ``extract``.
-            max_numel: the most elements accepted.
-
-        Raises:
-            InvalidTensor: unknown codec or dtype, bad shape, too many elements, or a buffer
-                whose length or prefix does not match the codec's layout.
-        """
-        if not isinstance(header, Mapping) or set(header) != {"codec", "dtype", "shape", "nbytes"}:
-            raise _invalid(
-                f"a tensor header needs exactly codec/dtype/shape/nbytes: {header!r:.200}"
-            )
-        codec, dtype, shape = header["codec"], header["dtype"], header["shape"]
-        if not _is_int(codec) or codec not in Codec._value2member_map_:
-            raise _invalid(f"unknown codec {codec!r:.50}", "the peer runs an incompatible version")
-        if not isinstance(dtype, str) or dtype not in DTYPES:
-            raise _invalid(f"dtype {dtype!r:.50} is not allowed")
-        if not isinstance(shape, (list, tuple)) or len(shape) > MAX_NDIM:
-            raise _invalid(f"shape must be a list of at most {MAX_NDIM} ints: {shape!r:.200}")
-        if not all(_is_int(dim) and 0 <= dim <= max_numel for dim in shape):
-            raise _invalid(f"shape {shape!r:.200} has a negative or oversized dimension")
-        if math.prod(shape) > max_numel:
-            raise _invalid(f"shape {shape!r:.200} has more than {max_numel} elements")
-        nbytes = memoryview(buffer).nbytes
-        if header["nbytes"] != nbytes:
-            raise _invalid(f"header says {header['nbytes']!r:.30} bytes, buffer has {nbytes}")
-        serialized = cls(Codec(codec), dtype, tuple(shape), buffer)
-        _check_layout(serialized)
-        return serialized
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _invalid(what: str, hint: str = "the sending peer is buggy or hostile") -> InvalidTensor:
-    return InvalidTensor(f"{what} - help: {hint}")
-
-
-def _stats_rows(shape: Sequence[int]) -> int:
-    """How many (mean, std) pairs MEANSTD_16BIT sends: one per row of the last axis."""
-    return math.prod(shape[:-1]) if len(shape) else 1
-
-
-def _read_int64(buffer: Buffer, offset: int) -> int:
-    return int(np.frombuffer(buffer, dtype="<i8", count=1, offset=offset)[0])
-
-
-def _check_layout(s: SerializedTensor) -> None:
-    """Raise InvalidTensor unless ``s.buffer`` is exactly the codec's layout for ``s.shape``."""
-    n, nbytes = math.prod(s.shape), memoryview(s.buffer).nbytes
-    if s.codec != Codec.NONE and s.dtype not in FLOAT_DTYPES:
-        raise _invalid(f"codec {s.codec.name} cannot carry dtype {s.dtype}")
-    prefix: tuple[int, ...] = ()
-    if s.codec == Codec.NONE:  # bfloat16: float32 (hivemind's default) or raw 2-byte values
-        expected = {n * DTYPES[s.dtype].itemsize} | ({4 * n} if s.dtype == "bfloat16" else set())
-    elif s.codec == Codec.MEANSTD_16BIT:
-        expected = {2 * n + 8 * _stats_rows(s.shape)}
-    elif s.codec == Codec.FLOAT16:
-        expected = {2 * n}
-    elif s.codec in (Codec.QUANTILE_8BIT, Codec.UNIFORM_8BIT):
-        expected, prefix = {8 + 4 * N_BINS + n}, (N_BINS,)
-    else:
-        n_blocks = -(-n // BLOCK_SIZE)
-        expected, prefix = {16 + 4 * n_blocks + 4 * N_BINS + n}, (n_blocks, N_BINS)
-    if nbytes not in expected:
-        raise _invalid(
-            f"{s.codec.name} {s.dtype}{list(s.shape)} takes {min(expected)} bytes, got {nbytes}"
-        )
-    if tuple(_read_int64(s.buffer, 8 * i) for i in range(len(prefix))) != prefix:
-        raise _invalid(f"{s.codec.name} buffer must start with the counts {prefix}")
 
 
 def _read(buffer: Buffer, dtype: str, count: int, offset: int) -> torch.Tensor:
@@ -390,7 +236,7 @@ class ScaledFloat16Compression(Float16Compression):
     codec = Codec.MEANSTD_16BIT
 
     def _encode(self, tensor: torch.Tensor, allow_inplace: bool) -> Buffer:
-        n_rows = _stats_rows(tensor.shape)
+        n_rows = stats_rows(tensor.shape)
         if tensor.numel() == 0:
             return _as_buffer(_pack(torch.zeros(n_rows), torch.ones(n_rows))[0])
         copy = not (allow_inplace and tensor.dtype == torch.float32 and tensor.is_contiguous())
@@ -403,7 +249,7 @@ class ScaledFloat16Compression(Float16Compression):
 
     @classmethod
     def _decode(cls, s: SerializedTensor) -> torch.Tensor:
-        n, n_rows = math.prod(s.shape), _stats_rows(s.shape)
+        n, n_rows = math.prod(s.shape), stats_rows(s.shape)
         values = _read(s.buffer, "<f2", n, 0).float()
         means = _read(s.buffer, "<f4", n_rows, 2 * n)
         stds = _read(s.buffer, "<f4", n_rows, 2 * n + 4 * n_rows)
@@ -689,7 +535,7 @@ def extract(serialized: SerializedTensor, *, allow_non_finite: bool = False) -> 
         InvalidTensor: the buffer does not match the codec's layout.
         NonFiniteTensor: the decoded values hold NaN or ±inf.
     """
-    _check_layout(serialized)
+    check_layout(serialized)
     flat = CODECS[serialized.codec]._decode(serialized)
     tensor = flat.to(DTYPES[serialized.dtype]).reshape(serialized.shape)
     if not allow_non_finite and not is_finite(tensor):
@@ -698,3 +544,30 @@ def extract(serialized: SerializedTensor, *, allow_non_finite: bool = False) -> 
             "help: the sending peer diverged or is hostile; its contribution is dropped"
         )
     return tensor
+
+
+__all__ = [
+    "CODECS",
+    "DEFAULT_MAX_NUMEL",
+    "DTYPES",
+    "DTYPE_NAMES",
+    "MAX_NDIM",
+    "AdaptiveCompressionBase",
+    "BlockwiseQuantization",
+    "Codec",
+    "CompressionBase",
+    "CompressionInfo",
+    "Float16Compression",
+    "NoCompression",
+    "PerTensorCompression",
+    "Quantile8BitQuantization",
+    "RoleAdaptiveCompression",
+    "ScaledFloat16Compression",
+    "SerializedTensor",
+    "SizeAdaptiveCompression",
+    "TensorDescriptor",
+    "TensorRole",
+    "Uniform8BitQuantization",
+    "extract",
+    "is_finite",
+]
