@@ -2,12 +2,15 @@
 
 Read in this order: ``values`` (what may be stored) → ``storage`` (expiring records, pure) →
 ``routing`` (ids, k-buckets, pure) → ``validation`` (owner signatures, schemas, pure) →
-``protocol`` (RPC messages, pure) → ``lookup`` (lookup bookkeeping, pure) → ``node`` (the async
-node) → ``dht`` (the blocking facade for user code) → ``cli`` (``kit dht``).
+``protocol`` (RPC messages, pure) → ``lookup`` (lookup bookkeeping, pure) → ``config`` (node
+settings, the DHT clock) → ``network`` (requests, lookups, routing-table upkeep) and ``serving``
+(answers) → ``node`` (the async node) → ``dht`` (the blocking facade for user code) → ``cli``
+(``kit dht``).
 """
 
+from kit.dht.config import DHTConfig, get_dht_time
 from kit.dht.dht import DHT, PeerFactory, parse_maddr
-from kit.dht.node import DHTConfig, DHTNode, get_dht_time
+from kit.dht.node import DHTNode
 from kit.dht.routing import DHTID
 from kit.dht.storage import DictionaryDHTValue, StoreStatus, ValueWithExpiration
 from kit.dht.validation import (
