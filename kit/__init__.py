@@ -1,21 +1,25 @@
 """kit: train one large model together over the Internet, on donated GPUs.
 
-Map of the package (data flows down this list; each room imports only rooms above it):
+Map of the package (data flows down this list; each room imports only rooms above it; the
+full map, checked by tests/test_architecture.py, is ARCHITECTURE.md):
 
     errors.py        the one exception tree (whose fault? transient or permanent?)
+    address.py       PeerIDs and peer addresses (stdlib only)
     config/          RunConfig and its sections (frozen dataclasses, torch-free)
     runtime.py       the one asyncio loop in one background thread + blocking facade
     http_client.py   the bounded blocking HTTP GET volunteers use to talk to a coordinator
     p2p/             websocket peer-to-peer layer: identity, wire format, handshake,
-                     multiplexed streams, relays for peers behind NAT (torch-free)
-    auth/            allowlist auth: access tokens, revocation, token endpoint (torch-free)
+                     multiplexed streams, the websocket transport, relays for peers behind NAT
+                     (torch-free)
     dht/             Kademlia DHT with hivemind's store/get semantics (torch-free)
+    auth/            allowlist auth: access tokens, revocation (a DHT record), token endpoint
+                     (torch-free)
     averaging/       butterfly all-reduce, load-balancing LP, compression codecs
     optim/           kit.Optimizer: DeDLOC's collaborative optimizer, progress, state sharing
+    metrics/         contribution records and their aggregation (leaderboard, loss curve)
     data/            streaming tokenization pipeline, ALBERT MLM+SOP examples, tokenizer recipe,
                      the organizer's files served as token shards
     hardware/        detect the machine, plan device / precision / micro-batch
-    metrics/         contribution records and their aggregation (leaderboard, loss curve)
     training/        model and optimizer from a RunConfig, the training loop, checkpoints
     dashboard/       the coordinator's web page and JSON API (torch-free)
     ui/              notebook widgets (login, live panel) and the console reporter
@@ -27,7 +31,9 @@ Map of the package (data flows down this list; each room imports only rooms abov
     volunteer.py     the volunteer's entry module: kit.join / `kit join` (join.ipynb)
     coordinator.py   the organizer's entry module: `kit coordinator` (config.ipynb)
     demo.py          `kit demo`: a coordinator and 3 volunteers on this machine
-    evaluate.py      the researcher's entry module (evaluation/ holds its parts)
+    evaluation/      the researcher's room (checkpoints, tasks, fine-tuning, reports)
+    evaluate.py      the researcher's entry module (evaluate.ipynb); evaluate_cli.py:
+                     `kit evaluate ...`
     testing/         fake Hugging Face Hub, network namespaces (tests and dry runs)
     cli.py           the ``kit`` command
     utils.py,        hivemind's ``hivemind.utils`` / ``hivemind.compression`` names, re-exported
