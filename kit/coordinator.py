@@ -17,6 +17,7 @@ Volunteers' peers only ever dial out to it: give it a public address (``announce
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import logging
@@ -25,13 +26,25 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from kit.config import RunConfig
-from kit.dht.node import get_dht_time
+from kit.dht.config import get_dht_time
 from kit.errors import ConfigError, KitError, KitUsageError
 from kit.p2p.identity import b58decode, b58encode, load_identity
 from kit.remote_run import RUN_INFO_PATH
+
+if TYPE_CHECKING:  # imported late where used: the services load only when the coordinator starts
+    from kit.auth import AllowlistAuthorizer, RevocationList, TokenIssuer
+    from kit.auth.endpoint import TokenEndpoint
+    from kit.dht import DHT, DHTNode
+    from kit.handout import Handout
+    from kit.metrics import MetricsCollector
+    from kit.p2p.identity import Identity, IdentityLock
+    from kit.p2p.peer import Peer
+    from kit.p2p.transport import HttpRequest, HttpResponse
+    from kit.preflight import PreflightReport
+    from kit.training.auxiliary import AuxiliaryPeer
 
 logger = logging.getLogger(__name__)
 
@@ -108,15 +121,16 @@ class Coordinator:
         self.config = config
         self.options = options or CoordinatorOptions()
         self.state_dir = Path(self.options.state_dir)
-        self.dht: Any = None
-        self.collector: Any = None
-        self.issuer: Any = None
-        self.token_endpoint: Any = None
-        self.auxiliary: Any = None
-        self.handout: Any = None  # tokenizer, data shards, kit wheel, join notebook (kit.handout)
-        self.preflight: Any = None  # the start-up check's report (kit.preflight)
+        self.dht: DHT | None = None
+        self.collector: MetricsCollector | None = None
+        self.issuer: TokenIssuer | None = None
+        self.authorizer: AllowlistAuthorizer | None = None  # our own peer's, in private runs
+        self.token_endpoint: TokenEndpoint | None = None
+        self.auxiliary: AuxiliaryPeer | None = None
+        self.handout: Handout | None = None  # tokenizer, data shards, kit wheel, join notebook
+        self.preflight: PreflightReport | None = None  # the start-up check's report
         self._listen_port: int | None = None
-        self._locks: list[Any] = []
+        self._locks: list[IdentityLock] = []
         self._addresses: list[str] = []
         self._started = False
 
@@ -131,10 +145,10 @@ class Coordinator:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         identity, lock = load_identity(self.state_dir / "identity.key")
         self._locks.append(lock)
-        authorizer = self._load_authority(identity)
+        self.authorizer = authorizer = self._load_authority(identity)
         from kit.handout import Handout
 
-        self.handout = Handout(
+        self.handout = handout = Handout(
             self.config,
             self.state_dir,
             tokenizer_dir=self.options.tokenizer_dir,
@@ -143,7 +157,7 @@ class Coordinator:
             shard_tokens=self.options.shard_tokens,
         )
         try:
-            self.handout.prepare()  # before the port opens: a failure leaves nothing running
+            handout.prepare()  # before the port opens: a failure leaves nothing running
         except BaseException:
             self.shutdown()
             raise
@@ -157,7 +171,7 @@ class Coordinator:
         )
         if authorizer is not None:
             peer_options["authorizer"] = authorizer
-        self.dht = DHT(
+        self.dht = dht = DHT(
             host=self.options.host,
             port=self.options.port,
             announce=list(self.options.announce) or None,
@@ -167,18 +181,18 @@ class Coordinator:
         self._started = True
         try:
             # Cached: the run-info route answers on the loop, where blocking calls are not allowed.
-            self._addresses = list(self.dht.get_visible_maddrs())
-            self.dht.run_coroutine(self._start_services)
+            self._addresses = list(dht.get_visible_maddrs())
+            dht.run_coroutine(self._start_services)
             if self.options.auxiliary_peer:
                 from kit.training.auxiliary import AuxiliaryPeer
 
                 self.auxiliary = AuxiliaryPeer(
                     self.config,
-                    self.dht,
+                    dht,
                     checkpoint_root=self.state_dir,
                     hub_token=self.options.hub_token,
                     hf_endpoint=self.options.hf_endpoint,
-                    tokenizer_dir=self.handout.tokenizer_dir,
+                    tokenizer_dir=handout.tokenizer_dir,
                     loss=self.latest_loss,
                 )
                 self.auxiliary.start()
@@ -195,12 +209,14 @@ class Coordinator:
         from kit.preflight import check_own_port
 
         secure = self.options.tls_certfile is not None
-        self.preflight = check_own_port(self.options.host, self._listen_port or 0, secure=secure)
-        for line in self.preflight.text().splitlines():
+        self.preflight = report = check_own_port(
+            self.options.host, self._listen_port or 0, secure=secure
+        )
+        for line in report.text().splitlines():
             logger.info("preflight: %s", line)
-        self.preflight.raise_if_failed()
+        report.raise_if_failed()
 
-    def _load_authority(self, peer_identity: Any) -> Any:
+    def _load_authority(self, peer_identity: Identity) -> AllowlistAuthorizer | None:
         published = self.config.access.authority_public_key
         if published is None:
             return None
@@ -215,15 +231,15 @@ class Coordinator:
                 f"{b58encode(identity.public_key)} in run.yaml, or point state_dir at the "
                 "folder that holds the right authority.key"
             )
-        self.issuer = TokenIssuer(
+        self.issuer = issuer = TokenIssuer(
             identity, self.config.collaboration.run_id, lifetime=self.config.access.token_lifetime
         )
-        self._load_revocations()
+        self._load_revocations(issuer)
         # The coordinator's own peer needs a token too: issued by itself.
         authorizer = AllowlistAuthorizer.for_coordinator(
-            peer_identity, self.issuer, check_period=self.config.access.check_seconds
+            peer_identity, issuer, check_period=self.config.access.check_seconds
         )
-        authorizer.update_revocations(self.issuer.revocations)
+        authorizer.update_revocations(issuer.revocations)
         return authorizer
 
     # --- revocations ---------------------------------------------------------------------------
@@ -246,43 +262,47 @@ class Coordinator:
             KitUsageError: the run has no authority (open runs without one cannot ban).
             ConfigError: a name no Hub account can have, or a key of the wrong size.
         """
-        if self.issuer is None or self.dht is None:
+        issuer, dht = self.issuer, self.dht
+        if issuer is None or dht is None:
             raise KitUsageError(
                 "revoke() needs a started coordinator of a run with an authority - help: set "
                 "access.authority_public_key (kit coordinator --create-authority)"
             )
-        revocations = self.issuer.revoke(
+        revocations = issuer.revoke(
             usernames=usernames,
             peer_public_keys=peer_public_keys,
             duration=duration,
             now=get_dht_time(),
         )
-        self._save_revocations()
-        self.dht.run_coroutine(lambda _, node: self._apply_revocations(node, revocations))
+        self._save_revocations(issuer)
+        dht.run_coroutine(lambda _, node: self._apply_revocations(node, issuer, revocations))
 
-    async def _apply_revocations(self, node: Any, revocations: Any) -> None:
+    async def _apply_revocations(
+        self, node: DHTNode, issuer: TokenIssuer, revocations: RevocationList
+    ) -> None:
         """Enforce ``revocations`` on our peer and publish them for everyone else's."""
         from kit.auth import enforce_revocations, publish_revocations
         from kit.auth.revocation import DEFAULT_PUBLISH_TTL
 
-        if node.peer.authorizer.update_revocations(revocations):
-            enforce_revocations(node.peer, node.peer.authorizer)
+        authorizer = self.authorizer
+        if authorizer is not None and authorizer.update_revocations(revocations):
+            enforce_revocations(cast("Peer", node.peer), authorizer)
         expiration = get_dht_time() + DEFAULT_PUBLISH_TTL
         if not await publish_revocations(
-            node, self.issuer.authority, revocations, expiration_time=expiration
+            node, issuer.authority, revocations, expiration_time=expiration
         ):
             logger.warning("the revocation list reached no DHT node yet (peers poll the DHT)")
 
     def _revocations_path(self) -> Path:
         return self.state_dir / "revocations.msgpack"
 
-    def _save_revocations(self) -> None:
+    def _save_revocations(self, issuer: TokenIssuer) -> None:
         path = self._revocations_path()
         partial = path.with_suffix(".partial")
-        partial.write_bytes(self.issuer.revocations.to_bytes())
+        partial.write_bytes(issuer.revocations.to_bytes())
         os.replace(partial, path)
 
-    def _load_revocations(self) -> None:
+    def _load_revocations(self, issuer: TokenIssuer) -> None:
         from kit.auth import RevocationList
 
         path = self._revocations_path()
@@ -290,21 +310,23 @@ class Coordinator:
             return
         try:
             saved = RevocationList.from_bytes(path.read_bytes())
-            saved.verify(self.issuer.authority_public_key)
+            saved.verify(issuer.authority_public_key)
         except KitError as e:
             raise ConfigError(
                 f"{path} is unreadable ({e}) - help: restore it from a backup, or delete it to "
                 "lift every ban"
             ) from e
-        self.issuer.revocations = saved
+        issuer.revocations = saved
 
-    async def _start_services(self, dht: Any, node: Any) -> None:
+    async def _start_services(self, dht: DHT, node: DHTNode) -> None:
         from kit.dashboard import register_dashboard
         from kit.metrics import MetricsCollector
 
-        peer = node.peer
+        peer = cast("Peer", node.peer)  # the coordinator's DHT runs on kit's websocket peer
         access = self.config.access
-        if self.issuer is not None:
+        issuer, authorizer, handout = self.issuer, self.authorizer, self.handout
+        assert handout is not None  # prepared by start() before the peer starts
+        if issuer is not None:
             from kit.auth import Allowlist, serve_token_endpoint
 
             allowlist = Allowlist(
@@ -313,31 +335,29 @@ class Coordinator:
                 open=access.open,
             )
             self.token_endpoint = serve_token_endpoint(
-                peer, self.issuer, allowlist, hf_endpoint=self.options.hf_endpoint
+                peer, issuer, allowlist, hf_endpoint=self.options.hf_endpoint
             )
             # Our peer's session guard (kit.auth.sessions) follows the list like every peer's.
-            if self.issuer.revocations.usernames or self.issuer.revocations.peer_public_keys:
-                await self._apply_revocations(node, self.issuer.revocations)  # kept from before
+            if issuer.revocations.usernames or issuer.revocations.peer_public_keys:
+                await self._apply_revocations(node, issuer, issuer.revocations)  # kept from before
         run_id = self.config.collaboration.run_id
-        self.collector = MetricsCollector(
+        self.collector = collector = MetricsCollector(
             node,
             run_id,
-            authority_public_key=None if self.issuer is None else self.issuer.authority_public_key,
-            revocations=None
-            if self.issuer is None
-            else lambda: peer.authorizer.revocations(run_id),
+            authority_public_key=None if issuer is None else issuer.authority_public_key,
+            revocations=None if authorizer is None else lambda: authorizer.revocations(run_id),
             state_path=self.state_dir / "leaderboard.json",
             period=self.options.metrics_period,
         )
-        self.collector.start()
+        collector.start()
         register_dashboard(
             peer,
-            self.collector,
+            collector,
             title=f"kit · {self.config.collaboration.run_id}",
             run_info=self.run_info,
         )
         peer.add_http_route(RUN_INFO_PATH, self._serve_run_info)
-        self.handout.register(peer, lambda: self.join_url)
+        handout.register(peer, lambda: self.join_url)
         self._listen_port = peer.listen_port
 
     def shutdown(self) -> None:
@@ -348,7 +368,7 @@ class Coordinator:
         if self.dht is not None:
             collector = self.collector
 
-            async def stop(_: Any, __: Any) -> None:
+            async def stop(_: DHT, __: DHTNode) -> None:
                 if collector is not None:
                     await collector.shutdown()
 
@@ -386,7 +406,7 @@ class Coordinator:
         """The collaboration's latest loss (samples-weighted over peers), if any was reported."""
         if self.collector is None:
             return None
-        summary: dict[str, Any] = self.collector.summary()
+        summary = self.collector.summary()
         loss = summary.get("loss")
         return None if loss is None else float(loss)
 
@@ -432,7 +452,7 @@ class Coordinator:
             "time": time.time(),
         }
 
-    async def _serve_run_info(self, request: Any) -> Any:
+    async def _serve_run_info(self, request: HttpRequest) -> HttpResponse:
         from kit.handout import base_url
         from kit.p2p.transport import HttpResponse
 
@@ -458,7 +478,9 @@ def add_command(subparsers: Any) -> None:
     parser.add_argument("--tls-key", default=None, help="... and this private key")
     parser.add_argument("--state-dir", default="coordinator", help="keys, leaderboard, checkpoints")
     parser.add_argument(
-        "--tokenizer-dir", default=None, help="tokenizer folder to serve (default: tokenizer.output_dir)"
+        "--tokenizer-dir",
+        default=None,
+        help="tokenizer folder to serve (default: tokenizer.output_dir)",
     )
     parser.add_argument(
         "--shard-tokens",
@@ -475,7 +497,7 @@ def add_command(subparsers: Any) -> None:
     parser.set_defaults(handler=_coordinator_command)
 
 
-def _coordinator_command(args: Any) -> int:
+def _coordinator_command(args: argparse.Namespace) -> int:
     if args.create_authority:
         print(create_authority(args.state_dir), flush=True)
         return 0

@@ -122,8 +122,10 @@ def run_demo(
                     process.wait(timeout=10)
             for log in logs:
                 log.close()
-        curve = coordinator.collector.loss_curve()
-        leaderboard = coordinator.collector.leaderboard()
+        collector = coordinator.collector
+        assert collector is not None  # started with the coordinator
+        curve = collector.loss_curve()
+        leaderboard = collector.leaderboard()
     losses = [point.loss for point in curve if point.loss is not None]
     result = {
         "global_steps": max((point.epoch for point in curve), default=0),

@@ -13,15 +13,17 @@ It holds the wiring only: the loop is ``kit.training.trainer``, the widgets are 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import logging
 import os
 import ssl
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
-from kit.errors import CoordinatorUnreachable, KitError
+from kit.errors import CoordinatorUnreachable, KitError, KitUsageError
 from kit.http_client import MAX_ANSWER_BYTES, http_get
 from kit.remote_run import (
     RunInfo,
@@ -31,6 +33,18 @@ from kit.remote_run import (
     open_served_data,
 )
 from kit.training.status import TrainingState, TrainingStatus
+
+if TYPE_CHECKING:  # imported late where used: ``import kit`` stays light (no torch, no network)
+    import torch
+
+    from kit.auth.authorizer import AllowlistAuthorizer
+    from kit.dht import DHT, DHTNode
+    from kit.hardware import Hardware, TrainingPlan
+    from kit.metrics import MetricsReporter
+    from kit.p2p.identity import Identity, IdentityLock
+    from kit.p2p.peer import Peer
+    from kit.training.data_position import DataPosition
+    from kit.training.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +89,7 @@ class Volunteer:
         hf_token: str | None = None,
         username: str | None = None,
         work_dir: str | os.PathLike[str] = ".",
-        hardware: Any = None,
+        hardware: Hardware | None = None,
         client_mode: bool | None = None,
         host: str = "0.0.0.0",
         ssl_context: ssl.SSLContext | None = None,
@@ -91,19 +105,19 @@ class Volunteer:
         self.username = username
         self.hardware = hardware
         self.client_mode = client_mode
-        self.authorizer: Any = None
-        self.dht: Any = None
-        self.trainer: Any = None
-        self.data_position: Any = None  # kit.training.data_position.DataPosition, once training
-        self.reporter: Any = None
-        self._identity: Any = None
-        self._identity_lock: Any = None
+        self.authorizer: AllowlistAuthorizer | None = None
+        self.dht: DHT | None = None
+        self.trainer: Trainer | None = None
+        self.data_position: DataPosition | None = None  # once training
+        self.reporter: MetricsReporter | None = None
+        self._identity: Identity | None = None
+        self._identity_lock: IdentityLock | None = None
 
     @property
     def needs_login(self) -> bool:
         return self.info.authority_public_key is not None and self.authorizer is None
 
-    def identity(self) -> Any:
+    def identity(self) -> Identity:
         if self._identity is None:
             from kit.p2p.identity import IdentityInUse, load_identity
 
@@ -177,7 +191,7 @@ class Volunteer:
             peer_options["authorizer"] = self.authorizer
         if self.ssl_context is not None:
             peer_options["client_ssl"] = self.ssl_context
-        self.dht = DHT(
+        self.dht = dht = DHT(
             initial_peers=list(self.info.initial_peers),
             client_mode=self.client_mode,
             host=self.host,
@@ -194,7 +208,7 @@ class Volunteer:
         label = gpus[0].name if gpus and plan.device.startswith("cuda") else plan.device
         if plan.replicas > 1:
             label = f"{plan.replicas} × {label}"
-        self.trainer = Trainer(
+        self.trainer = trainer = Trainer(
             parts.model,
             parts.optimizer,
             batches,
@@ -205,14 +219,14 @@ class Volunteer:
             replicas=parts.replicas,
         )
         if self.data_position is not None:
-            self.trainer.add_step_listener(self.data_position.on_step)
-        self._start_reporter(identity)
-        self._follow_leaderboard()
+            trainer.add_step_listener(self.data_position.on_step)
+        self._start_reporter(identity, trainer, dht)
+        self._follow_leaderboard(trainer, dht)
         for reason in plan.reasons:
             logger.info("plan: %s", reason)
-        self.trainer.start(max_steps=max_steps, max_seconds=max_seconds)
+        trainer.start(max_steps=max_steps, max_seconds=max_seconds)
 
-    def _batches(self, plan: Any, identity: Any) -> Any:
+    def _batches(self, plan: TrainingPlan, identity: Identity) -> Iterator[dict[str, torch.Tensor]]:
         from kit.data.pipeline import PretrainingPipeline
         from kit.training.data_position import DataPosition, data_position_path
 
@@ -234,7 +248,7 @@ class Volunteer:
         self.data_position.restore()
         return pipeline.batches(max(1, plan.micro_batch))
 
-    def _start_reporter(self, identity: Any) -> None:
+    def _start_reporter(self, identity: Identity, trainer: Trainer, dht: DHT) -> None:
         from kit.metrics import MetricsReporter
 
         authorizer = self.authorizer
@@ -244,23 +258,22 @@ class Volunteer:
             current = authorizer.token if authorizer is not None else None
             return current.to_bytes() if current is not None else None
 
-        async def start(_: Any, node: Any) -> Any:
+        async def start(_: DHT, node: DHTNode) -> MetricsReporter:
             reporter = MetricsReporter(
                 node,
                 self.config.collaboration.run_id,
                 identity,
                 username=username,
                 token=token,
-                device=self.trainer.status.device,
+                device=trainer.status.device,
             )
             reporter.start()
             return reporter
 
-        self.reporter = self.dht.run_coroutine(start)
-        trainer = self.trainer
+        self.reporter = reporter = dht.run_coroutine(start)
 
         def on_step(samples: int, loss: float, compute: float) -> None:
-            self.reporter.update(
+            reporter.update(
                 epoch=trainer.optimizer.local_epoch,
                 loss=loss,
                 samples_total=trainer.samples_total,
@@ -269,13 +282,13 @@ class Volunteer:
             )
 
         trainer.add_step_listener(on_step)
-        trainer.optimizer.add_round_listener(self.reporter.attest_round)  # credit is attested
+        trainer.optimizer.add_round_listener(reporter.attest_round)  # credit is attested
 
-    def _follow_leaderboard(self) -> None:
+    def _follow_leaderboard(self, trainer: Trainer, dht: DHT) -> None:
         """Keep "my rank" in the status fresh: a task owned by this peer, cancelled with it."""
         import asyncio
 
-        trainer, url, username = self.trainer, self.info.url + "/api/leaderboard", self.username
+        url, username = self.info.url + "/api/leaderboard", self.username
 
         async def follow() -> None:
             while True:
@@ -293,17 +306,24 @@ class Volunteer:
                     logger.debug("leaderboard unavailable: %s", error)
                 await asyncio.sleep(LEADERBOARD_PERIOD)
 
-        async def spawn(_: Any, node: Any) -> None:
-            node.peer.spawn(follow(), "leaderboard")
+        async def spawn(_: DHT, node: DHTNode) -> None:
+            peer = cast("Peer", node.peer)  # a volunteer's DHT runs on kit's websocket peer
+            peer.spawn(follow(), "leaderboard")
 
-        self.dht.run_coroutine(spawn)
+        dht.run_coroutine(spawn)
 
     @property
     def status(self) -> TrainingStatus:
         if self.trainer is None:
             state = TrainingState.LOGGING_IN if self.needs_login else TrainingState.STARTING
             return TrainingStatus(state=state, username=self.username)
-        return self.trainer.status  # type: ignore[no-any-return]
+        return self.trainer.status
+
+    def add_status_listener(self, listener: Callable[[TrainingStatus], None]) -> None:
+        """Call ``listener`` with every new status of the training (once started)."""
+        if self.trainer is None:
+            raise KitUsageError("the volunteer has not started - help: call start() first")
+        self.trainer.add_status_listener(listener)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until training ends (limits reached or stopped); True when it has."""
@@ -320,7 +340,7 @@ class Volunteer:
         if self.reporter is not None and self.dht is not None and self.dht.is_alive():
             reporter = self.reporter
 
-            async def stop_reporter(_: Any, __: Any) -> None:
+            async def stop_reporter(_: DHT, __: DHTNode) -> None:
                 await reporter.shutdown()
 
             self.dht.run_coroutine(stop_reporter)
@@ -419,7 +439,7 @@ def _join_on_console(volunteer: Volunteer, token: str | None, **limits: Any) -> 
         logger.info("logged in as %s", volunteer.login(token))
     reporter = ConsoleReporter()
     volunteer.start(**limits)
-    volunteer.trainer.add_status_listener(reporter.update)
+    volunteer.add_status_listener(reporter.update)
 
 
 def _join_with_widgets(volunteer: Volunteer, token: str | None, **limits: Any) -> None:
@@ -455,7 +475,7 @@ def _join_with_widgets(volunteer: Volunteer, token: str | None, **limits: Any) -
             else:
                 panel.update(status)
 
-        volunteer.trainer.add_status_listener(show)
+        volunteer.add_status_listener(show)
 
     if not volunteer.needs_login:
         begin()
@@ -500,7 +520,7 @@ def add_command(subparsers: Any) -> None:
     parser.set_defaults(handler=_join_command)
 
 
-def _join_command(args: Any) -> int:
+def _join_command(args: argparse.Namespace) -> int:
     try:
         volunteer = join(
             args.address,
