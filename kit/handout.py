@@ -52,6 +52,15 @@ def base_url(request: Any, default: str, *, secure: bool = False) -> str:
     return f"{'https' if https else 'http'}://{host}"
 
 
+def install_extras(config: RunConfig) -> list[str]:
+    """The kit extras a volunteer of this run installs with the wheel (setup.cfg's names).
+
+    A ``lamb8bit`` run (TTT's recipe) builds bitsandbytes' 8-bit statistics on every peer: without
+    the ``eightbit`` extra a volunteer's first step would stop with a ConfigError.
+    """
+    return ["eightbit"] if config.optimizer.name == "lamb8bit" else []
+
+
 class Handout:
     """Prepares (blocking) and serves what volunteers fetch from the coordinator.
 
@@ -210,6 +219,7 @@ class Handout:
             "tokenizer_sha256": self.tokenizer_sha256,
             "data_manifest": MANIFEST_PATH if self.data is not None else None,
             "install": f"{base}{INSTALL_PREFIX}{self.wheel.name}" if self.wheel else None,
+            "install_extras": install_extras(self.config),
             "kit_version": kit.__version__,
             "join_notebook": JOIN_NOTEBOOK_PATH,
         }

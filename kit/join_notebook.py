@@ -3,8 +3,9 @@
 ``notebooks/join.ipynb`` is :func:`join_notebook` with a placeholder link (a test keeps the two
 equal), and every coordinator serves it filled in at ``GET /join.ipynb``; its dashboard shows
 :func:`join_cell` with a copy button. The cell installs the organizer's kit from the coordinator
-(``/api/run`` gives the wheel's URL under ``install``; see ``kit.wheel`` for why two ``pip``
-lines upgrade nothing) and calls ``kit.join``. It doesn't install or join anything itself.
+(``/api/run`` gives the wheel's URL under ``install``, and under ``install_extras`` the extras
+the run needs, e.g. ``eightbit`` for an 8-bit LAMB; see ``kit.wheel`` for why two ``pip`` lines
+upgrade nothing) and calls ``kit.join``. It doesn't install or join anything itself.
 """
 
 from __future__ import annotations
@@ -52,9 +53,11 @@ INSTALL = True  # install the organizer's kit from its coordinator (False: use t
 if INSTALL:  # --no-deps --force-reinstall: the organizer's build; then only missing dependencies
     import json, urllib.parse, urllib.request
     with urllib.request.urlopen(COORDINATOR + "/api/run", timeout=60) as answer:
-        WHEEL = urllib.parse.urljoin(COORDINATOR + "/", json.load(answer)["install"])
+        RUN = json.load(answer)
+    WHEEL = urllib.parse.urljoin(COORDINATOR + "/", RUN["install"])
+    EXTRAS = ",".join(RUN.get("install_extras", []))  # e.g. eightbit: the run's 8-bit LAMB
     %pip install -q --no-deps --force-reinstall {{WHEEL}}
-    %pip install -q {{WHEEL}}
+    %pip install -q "kit-collab[{{EXTRAS}}] @ {{WHEEL}}"
 import kit
 
 volunteer = kit.join(COORDINATOR)"""

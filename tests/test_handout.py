@@ -183,3 +183,58 @@ def test_bootstrap_peers_must_be_addresses() -> None:
     parsed = RunConfig.from_dict({"access": {"bootstrap_peers": "/ip4/10.0.0.1/tcp/31337/ws"}})
     assert parsed.access.bootstrap_peers == ("/ip4/10.0.0.1/tcp/31337/ws",)
     assert parsed.config_hash() == RunConfig().config_hash()  # not hashed: may change mid-run
+
+
+def run_join_cell(link: str) -> list[str]:
+    """Execute the join notebook's cell as IPython would, and return its ``%pip`` lines expanded
+    (the commands the volunteer's kernel would run), without installing or joining anything."""
+    from IPython.core.inputtransformer2 import TransformerManager
+    from IPython.utils.text import DollarFormatter
+
+    from kit.join_notebook import join_cell
+
+    code = TransformerManager().transform_cell(join_cell(link))
+    code = code.replace("import kit\n", "").replace("volunteer = kit.join(COORDINATOR)", "")
+    namespace: dict[str, object] = {}
+    commands: list[str] = []
+
+    class Shell:  # what get_ipython() gives the cell: %pip expands {names} from the namespace
+        def run_line_magic(self, name: str, line: str) -> None:
+            assert name == "pip", name
+            commands.append(DollarFormatter().format(line, **namespace))
+
+    namespace["get_ipython"] = Shell
+    exec(compile(code, "join-cell", "exec"), namespace)
+    return commands
+
+
+@pytest.mark.parametrize("optimizer, extras", [("lamb", set()), ("lamb8bit", {"eightbit"})])
+def test_the_join_cell_installs_the_extras_the_runs_optimizer_needs(
+    tmp_path: Path, optimizer: str, extras: set[str]
+) -> None:
+    import shlex
+
+    from packaging.requirements import Requirement
+
+    config, tokenizer_dir = prepare(tmp_path, documents=200)
+    config = dataclasses.replace(
+        config, optimizer=dataclasses.replace(config.optimizer, name=optimizer)
+    )
+    options = CoordinatorOptions(
+        host="127.0.0.1",
+        state_dir=str(tmp_path / "coordinator"),
+        tokenizer_dir=str(tokenizer_dir),
+        auxiliary_peer=False,
+        preflight=False,
+    )
+    with Coordinator(config, options) as coordinator:
+        answer = json.loads(get(coordinator.join_url + "/api/run", {}))
+        assert answer["install_extras"] == sorted(extras)
+        commands = run_join_cell(coordinator.join_url)
+    wheel = answer["install"]
+    assert commands[0].split() == ["install", "-q", "--no-deps", "--force-reinstall", wheel]
+    # The second line installs what is missing: kit's dependencies and the run's extras.
+    arguments = shlex.split(commands[1])
+    assert arguments[:2] == ["install", "-q"] and len(arguments) == 3, commands
+    requirement = Requirement(arguments[2])
+    assert (requirement.name, requirement.extras, requirement.url) == ("kit-collab", extras, wheel)
