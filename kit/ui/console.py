@@ -61,6 +61,7 @@ class ConsoleReporter:
         self._state: TrainingState | None = None
         self._message = ""
         self._global_epoch: int | None = None
+        self._rollbacks = 0
 
     def update(self, status: TrainingStatus) -> None:
         """Draw one snapshot: move the bar, log what changed since the last one."""
@@ -102,6 +103,15 @@ class ConsoleReporter:
                 contribution_text(status),
             )
         self._global_epoch = status.global_epoch
+        if status.rollbacks > self._rollbacks:
+            self._log(
+                logging.WARNING,
+                "%d local step(s) undone so far: they left inf/NaN parameters - help: one is a "
+                "glitch; a growing count means this peer diverges (lower optimizer.lr, or train "
+                "in fp32 on this GPU)",
+                status.rollbacks,
+            )
+        self._rollbacks = status.rollbacks
         if status.message and status.message != self._message:
             level = logging.ERROR if status.state is TrainingState.FAILED else logging.INFO
             if status.state is not TrainingState.FAILED and "help:" in status.message:

@@ -75,6 +75,16 @@ def progress_text(status: TrainingStatus) -> str:
     )
 
 
+def epoch_text(status: TrainingStatus) -> str:
+    """``12 (mine: 11)``, and the local steps undone for non-finite parameters when there were any
+    (each is also logged with what to do; a count that keeps growing means this peer diverges)."""
+    text = f"{status.global_epoch:,} (mine: {status.local_epoch:,})"
+    if status.rollbacks:
+        undone = "step" if status.rollbacks == 1 else "steps"
+        text += f" · {status.rollbacks:,} {undone} undone (inf/NaN)"
+    return text
+
+
 def contribution_text(status: TrainingStatus) -> str:
     """``#3 of 17`` (this user's leaderboard place), or an em dash while unknown."""
     if status.rank is None:
@@ -289,7 +299,7 @@ class TrainingPanel:
             self.state.value = _badge(status.state)
             self.progress.value = status.progress_fraction
             self.progress_label.value = progress_text(status)
-            self.epoch.value = f"{status.global_epoch:,} (mine: {status.local_epoch:,})"
+            self.epoch.value = epoch_text(status)
             self.peers.value = f"{status.peers_online:,}"
             self.speed.value = f"{status.samples_per_second:,.1f} samples/s"
             self.samples.value = f"{status.samples_total:,}"

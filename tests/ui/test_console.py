@@ -70,6 +70,16 @@ def test_one_log_line_per_state_change_message_and_global_step(
     assert levels[-1] == logging.ERROR
 
 
+def test_undone_steps_are_warned_once_per_new_rollback(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    reporter = ConsoleReporter(stream=io.StringIO(), mininterval=0)
+    for rollbacks in (0, 1, 1, 1, 3, 3):
+        reporter.update(status(rollbacks=rollbacks))
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert [r.getMessage().split(" local")[0] for r in warnings] == ["1", "3"]
+    assert "help:" in warnings[0].getMessage()
+
+
 def test_count_going_back_restarts_the_bar() -> None:
     stream = io.StringIO()
     reporter = ConsoleReporter(stream=stream, mininterval=0)

@@ -62,6 +62,16 @@ def all_text(panel: TrainingPanel) -> str:
     )
 
 
+def test_the_epoch_shows_local_steps_undone_for_non_finite_parameters() -> None:
+    panel = TrainingPanel(on_stop=lambda: None, clock=FakeClock())
+    panel.update(make_status())
+    assert panel.epoch.value == "5 (mine: 4)"
+    panel.update(make_status(rollbacks=1))
+    assert panel.epoch.value == "5 (mine: 4) · 1 step undone (inf/NaN)"
+    panel.update(make_status(rollbacks=2))
+    assert panel.epoch.value == "5 (mine: 4) · 2 steps undone (inf/NaN)"
+
+
 def test_labels_and_progress_match_the_snapshot() -> None:
     panel = TrainingPanel(on_stop=lambda: None, clock=FakeClock())
     panel.update(make_status())
