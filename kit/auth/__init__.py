@@ -33,7 +33,6 @@ from kit.auth.authorizer import (
     IssuerTokenSource,
     TokenSource,
     enforce_revocations,
-    follow_revocations,
 )
 from kit.auth.endpoint import TOKEN_PATH, TokenEndpoint, serve_token_endpoint
 from kit.auth.login_limits import LoginLimits
@@ -66,7 +65,6 @@ __all__ = [
     "authorizer_from_coordinator",
     "enforce_revocations",
     "fetch_revocations",
-    "follow_revocations",
     "hub_endpoint",
     "hub_user",
     "publish_revocations",

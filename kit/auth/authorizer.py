@@ -41,7 +41,6 @@ from kit.auth.tokens import AccessToken, verify_token
 from kit.errors import (
     AuthError,
     ConfigError,
-    KitError,
     MissingToken,
     Revoked,
     TokenServiceUnavailable,
@@ -385,32 +384,3 @@ def enforce_revocations(peer: Peer, authorizer: AllowlistAuthorizer) -> list[Pee
         except AuthError:
             continue  # admitted earlier; only revocations end established connections
     return closed
-
-
-async def follow_revocations(
-    node: DHTNode,
-    authorizer: AllowlistAuthorizer,
-    run_id: str,
-    *,
-    period: float = 60.0,
-    peer: Peer | None = None,
-) -> None:
-    """Poll the DHT for the run's revocation list forever; apply (and enforce) newer ones.
-
-    Run it as a task the peer owns: ``peer.spawn(follow_revocations(node, authorizer, run_id,
-    peer=peer), "revocations")``.
-
-    Args:
-        period: seconds between polls. Decrease this if revoked peers stay connected too long.
-        peer: if given, its connections to newly revoked peers are closed.
-    """
-    while True:
-        try:
-            found = await asyncio.wait_for(
-                fetch_revocations(node, authorizer.authority_public_key, run_id), period
-            )
-            if found is not None and authorizer.update_revocations(found) and peer is not None:
-                enforce_revocations(peer, authorizer)
-        except (KitError, asyncio.TimeoutError) as e:
-            logger.warning("could not fetch the revocation list of %r: %s", run_id, e)
-        await asyncio.sleep(period)

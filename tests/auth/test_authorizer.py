@@ -22,7 +22,6 @@ from kit.auth import (
     AllowlistAuthorizer,
     IssuerTokenSource,
     enforce_revocations,
-    follow_revocations,
     publish_revocations,
 )
 from kit.dht import DHTConfig, DHTNode, get_dht_time
@@ -246,10 +245,8 @@ async def test_a_revoked_user_is_disconnected_and_refused_everywhere() -> None:
         seeds = run.coordinator.get_visible_addresses()
         alice_node = await DHTNode.create(alice, seeds, config=FAST_DHT)
         try:
-            alice.spawn(
-                follow_revocations(alice_node, alice.authorizer, RUN_ID, period=0.1, peer=alice),  # type: ignore[arg-type]
-                "revocations",
-            )
+            guard = alice.authorizer.session_guard(alice)  # type: ignore[attr-defined]
+            assert guard is not None and guard.fetch is not None  # reads the DHT's list
             bans = run.issuer.revoke(usernames=["bob"], now=time.time())
             # The coordinator applies the list itself and publishes it for everyone else.
             assert run.coordinator_authorizer.update_revocations(bans)
@@ -258,7 +255,10 @@ async def test_a_revoked_user_is_disconnected_and_refused_everywhere() -> None:
             assert await publish_revocations(
                 coordinator_node, run.issuer.authority, bans, expiration_time=expiration
             )
-            await eventually(lambda: alice.connection(bob.peer_id) is None)  # alice closed it
+            # alice's next check (every 30 s by default; one now) reads the list and closes bob
+            assert await guard.check() == [bob.peer_id]
+            assert alice.connection(bob.peer_id) is None
+            await eventually(lambda: bob.connection(alice.peer_id) is None)  # bob was told why
             for listener in (alice, run.coordinator):
                 with pytest.raises(HandshakeRefused, match="unauthorized.*'bob' is revoked"):
                     await bob.connect(listener.get_visible_addresses()[0], timeout=5)
