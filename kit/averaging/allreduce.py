@@ -148,6 +148,7 @@ class AllReduceRunner:
         self._writers: set[asyncio.Task[None]] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._aborted: str | None = None
+        self._bug: Exception | None = None  # our own failure mid-round (run() raises it)
         self._finished = False
         self._marks: dict[str, float] = {}  # event -> loop time, for the round's debug timeline
         self.bytes_sent = 0
@@ -172,6 +173,8 @@ class AllReduceRunner:
             waiting = set(exchanges.values()) | ({reducing} if reducing is not None else set())
             if waiting:
                 await asyncio.wait(waiting, timeout=self._remaining())
+            if self._bug is not None:
+                raise self._bug
             if self._aborted is not None:
                 raise GroupMismatch(f"round aborted: {self._aborted}")
             parts = [self._report(k, exchanges.get(k)) for k in range(len(self.group))]
@@ -215,6 +218,21 @@ class AllReduceRunner:
         for task in list(self._tasks):
             if task is not asyncio.current_task():
                 task.cancel()
+
+    def _fail(self, bug: Exception) -> None:
+        """A bug of ours broke the round: stop every task now (the members see our streams
+        reset and go on without our part) instead of letting them wait for their timeouts;
+        :meth:`run` raises ``bug``."""
+        logger.error(
+            "averaging round %s failed on this peer", self.group.group_id.hex()[:8], exc_info=bug
+        )
+        if self._bug is None:
+            self._bug = bug
+        for task in list(self._tasks):
+            if task is not asyncio.current_task():
+                task.cancel()
+        progress, self._progress = self._progress, asyncio.Event()
+        progress.set()  # and whoever waits for averages learns it now
 
     def _report(self, k: int, exchange: asyncio.Task[Any] | None) -> PartReport:
         senders = frozenset(self.group.peers[i] for i in self.group.senders)
@@ -421,8 +439,12 @@ class AllReduceRunner:
             self._spawn(self._clip_then_complete(reducer, chunks))
             return
         assert self._averages is not None
-        for chunk in chunks:
-            self._averages.complete(chunk)
+        try:
+            for chunk in chunks:
+                self._averages.complete(chunk)
+        except Exception as e:  # our bug (e.g. a codec's encoder): end the round now, loudly
+            self._fail(e)
+            raise  # and the task that met it (its stream is reset: the sender learns it)
         self._advance()
         if self._ready >= 1:
             self._mark("own_first_averaged")
@@ -457,6 +479,8 @@ class AllReduceRunner:
     async def _wait_progress(self, ready: int, timeout: float | None) -> None:
         """Wait until more than ``ready`` chunks are averaged (asyncio.TimeoutError after timeout)."""
         while self._ready <= ready:
+            if self._bug is not None:
+                raise self._bug  # the round is over (a cancellation may be lost, gh-86296)
             await asyncio.wait_for(self._progress.wait(), timeout)
 
     async def serve(self, stream: StreamAPI, header: dict[str, Any]) -> None:

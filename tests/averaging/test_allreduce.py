@@ -568,3 +568,43 @@ async def test_memory_does_not_grow_over_1000_short_rounds() -> None:
         tracemalloc.stop()
     # One leaked task, stream or report per round would be hundreds of bytes per round.
     assert growth < 32 * 1024, f"{growth} bytes more after 700 more rounds"
+
+
+async def test_a_bug_of_ours_mid_round_ends_the_round_at_once_not_at_the_timeouts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Encoding an average fails on peer 0 (a bug of ours, not the peers' fault): its round
+    raises that error at once, and the others go on without its part, long before the 10 s
+    sender timeout they would otherwise wait."""
+    from kit.averaging.averages import OutgoingAverages
+
+    swarm = Swarm()
+    peers = await swarm.add(3)
+    group = make_group(peers, [1.0, 1.0, 1.0])
+    values = [random_tensors(i) for i in range(3)]
+    tensors = [[t.clone() for t in v] for v in values]
+    slow = Timeouts(connect=10.0, sender=10.0, reducer=20.0, deadline=None)
+    runners = [swarm.runner(i, group, tensors[i], timeouts=slow) for i in range(3)]
+    broken = runners[0]._averages
+    original = OutgoingAverages.complete
+
+    def complete(self: OutgoingAverages, chunk: int) -> None:
+        if self is broken and chunk == 1:
+            raise RuntimeError("encoder bug")
+        original(self, chunk)
+
+    monkeypatch.setattr(OutgoingAverages, "complete", complete)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    reports = await run_all(runners)
+    assert loop.time() - started < 2.0
+    assert isinstance(reports[0], RuntimeError) and "encoder bug" in str(reports[0])
+    expected = weighted_mean(values, [1.0, 1.0, 1.0])
+    for i in (1, 2):
+        report = reports[i]
+        assert isinstance(report, RoundReport) and not report.is_full, report
+        part0 = group.part_sizes[0]
+        # peer 0's part stays each peer's own; the other parts are the exact mean
+        own, mean = flat(tensors[i]), flat(expected).float()
+        assert torch.equal(own[:part0], flat(values[i])[:part0])
+        assert torch.allclose(own[part0:], mean[part0:], atol=1e-6)
