@@ -21,7 +21,7 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterable
 from typing import Any, Literal, TypeVar, overload
 
 from kit.errors import KitTimeout, KitUsageError
@@ -173,3 +173,20 @@ _runtime = Runtime()
 def get_runtime() -> Runtime:
     """The process-wide runtime shared by every kit object in this process."""
     return _runtime
+
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any]], timeout: float) -> None:
+    """Cancel ``tasks`` and wait (at most ``timeout``) until they are done.
+
+    Cancels again every 10 ms: on Python <= 3.11 ``asyncio.wait_for`` can swallow a cancellation
+    that arrives as its inner future completes (CPython gh-86296), and the task then runs on.
+    """
+    pending = {task for task in tasks if not task.done()}
+    give_up = asyncio.get_running_loop().time() + timeout
+    while pending:
+        for task in pending:
+            task.cancel()
+        left = give_up - asyncio.get_running_loop().time()
+        if left <= 0:
+            break
+        _, pending = await asyncio.wait(pending, timeout=min(0.01, left))

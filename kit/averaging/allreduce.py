@@ -39,7 +39,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Awaitable, Iterable, Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -75,6 +75,7 @@ from kit.errors import (
 from kit.p2p import wire
 from kit.p2p.api import PeerAPI, StreamAPI
 from kit.p2p.identity import PeerID
+from kit.runtime import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -220,12 +221,9 @@ class AllReduceRunner:
                 task.cancel()
 
     def _fail(self, bug: Exception) -> None:
-        """A bug of ours broke the round: stop every task now (the members see our streams
-        reset and go on without our part) instead of letting them wait for their timeouts;
-        :meth:`run` raises ``bug``."""
-        logger.error(
-            "averaging round %s failed on this peer", self.group.group_id.hex()[:8], exc_info=bug
-        )
+        """A bug of ours broke the round: stop now, not at the timeouts (members see our streams
+        reset and go on without our part); :meth:`run` raises ``bug``."""
+        logger.error("round %s failed on this peer", self.group.group_id.hex()[:8], exc_info=bug)
         if self._bug is None:
             self._bug = bug
         for task in list(self._tasks):
@@ -593,23 +591,6 @@ class AllReduceRunner:
                 await stream.send_message(payload, timeout=timeout)
                 self.bytes_sent += len(payload)
         await stream.close()
-
-
-async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any]], timeout: float) -> None:
-    """Cancel ``tasks`` and wait (at most ``timeout``) until they are done.
-
-    Cancels again every 10 ms: on Python <= 3.11 ``asyncio.wait_for`` can swallow a cancellation
-    that arrives as its inner future completes (CPython gh-86296), and the task then runs on.
-    """
-    pending = {task for task in tasks if not task.done()}
-    give_up = asyncio.get_running_loop().time() + timeout
-    while pending:
-        for task in pending:
-            task.cancel()
-        left = give_up - asyncio.get_running_loop().time()
-        if left <= 0:
-            break
-        _, pending = await asyncio.wait(pending, timeout=min(0.01, left))
 
 
 def _retrieve(task: asyncio.Task[Any]) -> None:
