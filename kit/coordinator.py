@@ -207,10 +207,16 @@ class Coordinator:
     def _check_as_a_volunteer(self) -> None:
         """``kit preflight`` against ourselves, on loopback (raises PreflightFailed)."""
         from kit.preflight import check_own_port
+        from kit.runtime import get_runtime
 
-        secure = self.options.tls_certfile is not None
+        secure, authorizer = self.options.tls_certfile is not None, self.authorizer
+        if authorizer is not None:  # a private run's data wants a token: our own peer's
+            get_runtime().call(authorizer.credentials(), timeout=30.0)
         self.preflight = report = check_own_port(
-            self.options.host, self._listen_port or 0, secure=secure
+            self.options.host,
+            self._listen_port or 0,
+            secure=secure,
+            authorization=None if authorizer is None else authorizer.bearer,
         )
         for line in report.text().splitlines():
             logger.info("preflight: %s", line)
@@ -357,7 +363,7 @@ class Coordinator:
             run_info=self.run_info,
         )
         peer.add_http_route(RUN_INFO_PATH, self._serve_run_info)
-        handout.register(peer, lambda: self.join_url)
+        handout.register(peer, lambda: self.join_url, authorizer=authorizer)
         self._listen_port = peer.listen_port
 
     def shutdown(self) -> None:

@@ -27,6 +27,7 @@ Two questions decide how a caller should react to a failure, and the tree answer
     │   ├── BadSignature
     │   ├── TokenExpired             (transient: refresh the token and retry)
     │   ├── MissingToken, MalformedToken, TokenMismatch, Revoked, InvalidHubToken
+    │   ├── AccessRefused            a coordinator's HTTP route answered 401/403 (its reason)
     │   └── TokenServiceUnavailable  (transient: the Hub or the coordinator is unreachable)
     ├── PeerError                    something went wrong with a remote peer
     │   ├── HandshakeRefused         other protocol version, other run, auth failure
@@ -393,6 +394,15 @@ class Revoked(AuthError):
 
 class InvalidHubToken(AuthError):
     """The Hugging Face Hub refused the user access token (unknown, expired, or not a user's)."""
+
+
+class AccessRefused(AuthError):
+    """A coordinator's HTTP route (the served data of a private run) answered 401 or 403: no
+    valid access token of an allowlisted user came with the request. The message is its reason."""
+
+    def __init__(self, message: str, status: int = 403) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class TokenServiceUnavailable(AuthError, TransientError):

@@ -8,7 +8,8 @@ serves it:
   wrote (``tokenizer.output_dir``), else the config's Hub repo (downloaded once); served at
   ``/api/tokenizer.json`` with its SHA-256 in ``/api/run``, and pushed to the run's Hub repos
   (``tokenizer.hub_repo``, ``checkpoint.hub_repo``) when it was made here;
-* the **data**: the organizer's files, tokenized into shards (``kit.data.serving``);
+* the **data**: the organizer's files, tokenized into shards (``kit.data.serving``); in a
+  private run for allowlisted users only (an access token as ``Authorization: Bearer``);
 * the **kit**: the wheel of the organizer's own kit (``kit.wheel``), under ``/install/``;
 * the **join notebook** with the link in it, at ``/join.ipynb`` (``kit.join_notebook``).
 
@@ -23,13 +24,16 @@ import logging
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import kit
 from kit.config import RunConfig
 from kit.errors import ConfigError
 from kit.join_notebook import JOIN_NOTEBOOK_PATH, join_notebook_bytes
 from kit.remote_run import TOKENIZER_PATH
+
+if TYPE_CHECKING:
+    from kit.auth.authorizer import AllowlistAuthorizer
 
 logger = logging.getLogger(__name__)
 
@@ -182,8 +186,19 @@ class Handout:
 
     # --- on the port --------------------------------------------------------------------------
 
-    def register(self, peer: Any, link: Callable[[], str]) -> None:
-        """Serve the prepared files on ``peer`` (call on the runtime loop)."""
+    def register(
+        self,
+        peer: Any,
+        link: Callable[[], str],
+        *,
+        authorizer: AllowlistAuthorizer | None = None,
+    ) -> None:
+        """Serve the prepared files on ``peer`` (call on the runtime loop).
+
+        With ``authorizer`` (a private run) the data routes answer only requests that carry a
+        valid access token of this run (``Authorization: Bearer``); the tokenizer, the wheel
+        and the join notebook stay public (a stranger may look at how to join, not at the data).
+        """
         from kit.p2p.transport import HttpRequest, HttpResponse
 
         if self.tokenizer_dir is not None:
@@ -194,6 +209,8 @@ class Handout:
 
             peer.add_http_route(TOKENIZER_PATH, serve_tokenizer)
         if self.data is not None:
+            if authorizer is not None:
+                self.data.guard = authorizer.request_guard(self.config.collaboration.run_id)
             self.data.register(peer)
         if self.wheel is not None:
             wheel = self.wheel

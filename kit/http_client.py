@@ -11,16 +11,19 @@ worker thread, never from the runtime loop. It doesn't know what is fetched: the
 from __future__ import annotations
 
 import dataclasses
+import json
 import ssl
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Mapping
 
-from kit.errors import CoordinatorUnreachable
+from kit.errors import AccessRefused, CoordinatorUnreachable
 
 #: Answers larger than this from a coordinator are refused (run info, tokenizer, leaderboard).
 MAX_ANSWER_BYTES = 64 * 1024 * 1024
+#: How much of a refusal's body (its reason) is read.
+MAX_REASON_BYTES = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +56,9 @@ def http_request(
     """GET ``url`` and read at most ``limit`` bytes of its body.
 
     Raises:
-        CoordinatorUnreachable: no answer, an HTTP error status, or a body over ``limit``; the
-            message says what to do.
+        AccessRefused: the answer is 401 or 403 (no valid access token); the server's reason.
+        CoordinatorUnreachable: no answer, another HTTP error status, or a body over ``limit``;
+            the message says what to do.
     """
     request = urllib.request.Request(url, headers=dict(headers or {}))
     try:
@@ -63,6 +67,8 @@ def http_request(
             status = int(answer.status)
             names = {name.lower(): value for name, value in answer.headers.items()}
     except urllib.error.HTTPError as error:
+        if error.code in (401, 403):
+            raise AccessRefused(_refusal_reason(url, error), error.code) from None
         raise CoordinatorUnreachable(
             f"{url} answered HTTP {error.code} - help: check the address with the organizer"
         ) from None
@@ -76,6 +82,27 @@ def http_request(
             f"{url} sent more than {limit} bytes - help: check the address"
         )
     return HttpAnswer(status, names, body)
+
+
+def _refusal_reason(url: str, error: urllib.error.HTTPError) -> str:
+    """The reason a 401/403 gives (``{"error": ...}`` or plain text), bounded; else a default."""
+    try:
+        body = error.read(MAX_REASON_BYTES)
+    except (OSError, ValueError):
+        body = b""
+    text = body.decode("utf-8", "replace").strip()
+    try:
+        answer = json.loads(text)
+        text = str(answer["error"]) if isinstance(answer, dict) and "error" in answer else text
+    except ValueError:
+        pass
+    text = "".join(c if c.isprintable() else " " for c in text)[:1000]
+    if "help:" not in text:
+        text = (f"{text} - " if text else "") + (
+            "help: this needs an access token of an allowlisted user; log in with your Hugging "
+            "Face token"
+        )
+    return f"{url} answered HTTP {error.code}: {text}"
 
 
 def http_get(

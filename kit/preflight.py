@@ -10,7 +10,10 @@ joining the swarm) and stops short of the network of peers:
 3. **tokenizer**: the coordinator's copy (or the Hub repo) loads, has the recipe's special
    tokens and fits the model's vocabulary.
 4. **data**: every source opens (served shards from the coordinator, Hub datasets) and one
-   batch of micro-batch 1 is built.
+   batch of micro-batch 1 is built. A private run serves its data to allowlisted users only:
+   pass ``hf_token`` (``kit preflight URL --hf-token``) to log in as a volunteer does, or an
+   ``authorization`` callable (the coordinator's own check); without either the check fails
+   and says so.
 5. **training step**: one forward and backward pass of the run's model on the CPU, finite loss.
 
 Each check gives one line; a failed one says what to do (``help:``). The coordinator runs the
@@ -24,6 +27,7 @@ import argparse
 import dataclasses
 import importlib.metadata
 import math
+import os
 import ssl
 import tempfile
 from collections.abc import Callable
@@ -119,6 +123,9 @@ def run_preflight(
     *,
     work_dir: str | Path | None = None,
     ssl_context: ssl.SSLContext | None = None,
+    authorization: Callable[[], str | None] | None = None,
+    hf_token: str | None = None,
+    allow_insecure_http: bool = False,
 ) -> PreflightReport:
     """Walk a remote volunteer's path into the run at ``address`` (see the module docstring).
 
@@ -126,10 +133,21 @@ def run_preflight(
         address: the coordinator's link.
         work_dir: the volunteer's folder (default: a fresh temporary one, deleted afterwards).
         ssl_context: how to check the coordinator's certificate (None: the system CAs).
+        authorization: gives the ``Authorization`` header of data requests (a private run).
+        hf_token: a Hugging Face token of an allowlisted user: in a private run, log in with
+            it (a throwaway peer key) and fetch the data with the access token it gets.
+        allow_insecure_http: send ``hf_token`` to a plain-http coordinator on another machine.
     """
     if work_dir is None:
         with tempfile.TemporaryDirectory(prefix="kit-preflight-") as folder:
-            return run_preflight(address, work_dir=folder, ssl_context=ssl_context)
+            return run_preflight(
+                address,
+                work_dir=folder,
+                ssl_context=ssl_context,
+                authorization=authorization,
+                hf_token=hf_token,
+                allow_insecure_http=allow_insecure_http,
+            )
     from kit.remote_run import fetch_run_info, load_run_tokenizer, open_served_data
 
     cache = Path(work_dir) / ".kit"
@@ -185,11 +203,14 @@ def run_preflight(
         from kit.data.pipeline import PretrainingPipeline
 
         info = found["info"]
+        bearer = authorization
+        if bearer is None and hf_token and info.authority_public_key is not None:
+            bearer = _login(info, hf_token, ssl_context, allow_insecure_http)
         pipeline = PretrainingPipeline.from_config(
             info.config.data,
             found["tokenizer"],
             peer_identity=b"kit-preflight",
-            served=open_served_data(info, cache, ssl_context),
+            served=open_served_data(info, cache, ssl_context, authorization=bearer),
         )
         batches = pipeline.batches(1)
         found["batch"] = batch = next(batches, None)
@@ -217,11 +238,45 @@ def run_preflight(
     return PreflightReport(str(found["info"].url if "info" in found else address), tuple(checks))
 
 
-def check_own_port(host: str, port: int, *, secure: bool = False) -> PreflightReport:
+def _login(
+    info: Any, hf_token: str, ssl_context: ssl.SSLContext | None, allow_insecure_http: bool
+) -> Callable[[], str | None]:
+    """Log in as a volunteer would (a throwaway key); the access token as a bearer callable.
+
+    Raises:
+        InvalidHubToken, NotAllowlisted, Revoked, TokenServiceUnavailable: no token.
+    """
+    from kit.auth import authorizer_from_coordinator
+    from kit.p2p.identity import Identity
+    from kit.runtime import get_runtime
+
+    authorizer = get_runtime().call(
+        authorizer_from_coordinator(
+            info.url,
+            hf_token.strip(),
+            Identity.generate(),
+            authority_public_key=info.authority_public_key,
+            ssl_context=ssl_context,
+            allow_insecure_http=allow_insecure_http,
+        ),
+        timeout=60.0,
+    )
+    get_runtime().call(authorizer.close(), timeout=10.0)  # no renewals: the check is short
+    return authorizer.bearer
+
+
+def check_own_port(
+    host: str,
+    port: int,
+    *,
+    secure: bool = False,
+    authorization: Callable[[], str | None] | None = None,
+) -> PreflightReport:
     """:func:`run_preflight` against a coordinator listening on ``host:port`` of this machine.
 
     A wildcard ``host`` is reached on loopback; with TLS, the certificate is not checked (it is
-    our own, reached by an address it may not name).
+    our own, reached by an address it may not name). ``authorization``: the coordinator's own
+    peer token, for the data of a private run.
     """
     host = host if host not in ("0.0.0.0", "::", "") else "127.0.0.1"
     host = f"[{host}]" if ":" in host else host
@@ -230,7 +285,11 @@ def check_own_port(host: str, port: int, *, secure: bool = False) -> PreflightRe
         context = ssl.create_default_context()
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
-    return run_preflight(f"{'https' if secure else 'http'}://{host}:{port}", ssl_context=context)
+    return run_preflight(
+        f"{'https' if secure else 'http'}://{host}:{port}",
+        ssl_context=context,
+        authorization=authorization,
+    )
 
 
 def add_command(subparsers: Any) -> None:
@@ -245,11 +304,28 @@ def add_command(subparsers: Any) -> None:
     parser.add_argument(
         "--ca-file", default=None, help="trust this CA for the coordinator's https certificate"
     )
+    parser.add_argument(
+        "--hf-token",
+        default=None,
+        help="a private run's data is for allowlisted users: log in with this Hugging Face "
+        "token (default: $HF_TOKEN)",
+    )
+    parser.add_argument(
+        "--allow-insecure-http",
+        action="store_true",
+        help="send the HF token to a plain-http coordinator on another machine",
+    )
     parser.set_defaults(handler=_preflight_command)
 
 
 def _preflight_command(args: argparse.Namespace) -> int:
     context = ssl.create_default_context(cafile=args.ca_file) if args.ca_file else None
-    report = run_preflight(args.address, work_dir=args.work_dir, ssl_context=context)
+    report = run_preflight(
+        args.address,
+        work_dir=args.work_dir,
+        ssl_context=context,
+        hf_token=args.hf_token or os.environ.get("HF_TOKEN") or None,
+        allow_insecure_http=args.allow_insecure_http,
+    )
     print(report.text(), flush=True)
     return 0 if report.ok else 1

@@ -17,6 +17,7 @@ import json
 import os
 import ssl
 import urllib.parse
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -157,11 +158,18 @@ def load_run_tokenizer(
 
 
 def open_served_data(
-    info: RunInfo, cache_dir: Path, ssl_context: ssl.SSLContext | None = None
+    info: RunInfo,
+    cache_dir: Path,
+    ssl_context: ssl.SSLContext | None = None,
+    authorization: Callable[[], str | None] | None = None,
 ) -> Any:
     """The data the coordinator serves (a :class:`~kit.data.remote.ServedData`), or None.
 
+    In a private run (``info.authority_public_key``) the data is for allowlisted users only:
+    ``authorization`` gives the current ``Authorization: Bearer`` value of each request.
+
     Raises:
+        AccessRefused: a private run and no valid access token (the reason says what to do).
         DataSourceNotFound: the run has organizer files the coordinator does not serve.
         CoordinatorUnreachable: the manifest could not be fetched.
     """
@@ -179,4 +187,5 @@ def open_served_data(
         info.data_manifest_url,
         cache_dir / "data" / info.config_hash[:16],
         ssl_context=ssl_context,
+        authorization=authorization,
     )

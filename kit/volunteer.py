@@ -238,7 +238,12 @@ class Volunteer:
             self.config.data,
             tokenizer,
             peer_identity=identity.peer_id.to_bytes(),
-            served=open_served_data(self.info, cache, self.ssl_context),
+            served=open_served_data(  # a private run's data: our token in every request
+                self.info,
+                cache,
+                self.ssl_context,
+                authorization=None if self.authorizer is None else self.authorizer.bearer,
+            ),
         )
         # A restart of this machine goes on where its data stream stopped (saved with its key).
         path = data_position_path(

@@ -21,6 +21,12 @@ banned users and keys, and closes connections whose token expired without a rene
 session itself is protected by ``kit.p2p``: the authorizer is ``private``, which turns on
 per-frame authentication with keys derived in the handshake (``kit.p2p.frame_auth``).
 
+Over HTTP (the coordinator's served data in a private run) a client presents the same token as
+``Authorization: Bearer ...`` (``kit.auth.tokens.bearer_header``); :meth:`~AllowlistAuthorizer.
+check_bearer` checks the authority's signature, the run, the expiry and the bans, but cannot bind
+the token to a key (HTTP has no proof of possession): a leaked bearer token lets its holder
+download the data until it expires. Tokens are short-lived and TLS protects them in transit.
+
 What this module does not do: HTTP (``kit.auth.endpoint``), signing tokens
 (``kit.auth.authority``), the record format (``kit.auth.tokens``, ``kit.auth.revocation``).
 """
@@ -37,12 +43,14 @@ from typing import TYPE_CHECKING, Any
 from kit.auth.authority import COORDINATOR_USERNAME, TokenIssuer
 from kit.auth.revocation import RevocationList, fetch_revocations
 from kit.auth.sessions import SessionGuard
-from kit.auth.tokens import AccessToken, verify_token
+from kit.auth.tokens import AccessToken, bearer_header, token_from_bearer, verify_token
 from kit.errors import (
     AuthError,
     ConfigError,
+    MalformedToken,
     MissingToken,
     Revoked,
+    TokenExpired,
     TokenServiceUnavailable,
 )
 from kit.p2p.handshake import RemoteHello
@@ -203,6 +211,12 @@ class AllowlistAuthorizer:
         """This peer's current access token (None before the first handshake)."""
         return self._token
 
+    def bearer(self) -> str | None:
+        """This peer's current token as an HTTP ``Authorization`` value (None before the first):
+        what it sends to the coordinator's data routes. Renewed with the token."""
+        token = self._token
+        return None if token is None else bearer_header(token)
+
     # --- this peer's own token ------------------------------------------------------------
 
     async def credentials(self) -> bytes:
@@ -343,6 +357,48 @@ class AllowlistAuthorizer:
         reason = revocations.reason(token.username, peer_public_key, now)
         if reason is not None:
             raise Revoked(f"{reason} - help: ask the organizer of run {run!r} why")
+
+    # --- HTTP clients ---------------------------------------------------------------------
+
+    def check_bearer(self, authorization: str | None, *, run_id: str) -> AccessToken:
+        """The token of an HTTP ``Authorization: Bearer`` header, if it admits to ``run_id`` now.
+
+        Checks the authority's signature, the run, the expiry (with ``clock_skew``) and the bans
+        of the user and of the key the token names. No key binding: HTTP proves no key.
+
+        Raises:
+            MissingToken, MalformedToken: no token, or not one. TokenExpired: expired.
+            BadSignature: forged or another authority's. TokenMismatch: another run's.
+            Revoked: the user or the key is banned.
+        """
+        token = token_from_bearer(authorization)
+        now = self._clock()
+        verify_token(
+            token, self.authority_public_key, now=now, clock_skew=self.clock_skew, run_id=run_id
+        )
+        self.check_token_revoked(token, token.peer_public_key, now, run_id=run_id)
+        return token
+
+    def http_refusal(self, authorization: str | None, *, run_id: str) -> tuple[int, str] | None:
+        """None if the bearer token admits to ``run_id``; else the HTTP status and the reason:
+        401 for no token, a malformed or an expired one (get a fresh token), 403 otherwise
+        (forged, another run's, banned, not allowlisted)."""
+        try:
+            self.check_bearer(authorization, run_id=run_id)
+        except (MissingToken, MalformedToken, TokenExpired) as error:
+            return 401, str(error)
+        except AuthError as error:
+            return 403, str(error)
+        return None
+
+    def request_guard(self, run_id: str) -> Callable[[Any], tuple[int, str] | None]:
+        """``guard(request)`` for ``kit.data.serving.DataServer``: :meth:`http_refusal` of the
+        request's ``Authorization`` header (``request.headers``, lower-case names)."""
+
+        def guard(request: Any) -> tuple[int, str] | None:
+            return self.http_refusal(request.headers.get("authorization"), run_id=run_id)
+
+        return guard
 
     # --- revocations ----------------------------------------------------------------------
 

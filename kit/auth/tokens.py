@@ -17,10 +17,17 @@ DHT records, revocation lists) made with the same key.
 What this module does not do: deciding who gets a token (``kit.auth.authority``), the handshake
 hook (``kit.auth.authorizer``), revocation (``kit.auth.revocation``). It reads no clock: every
 check takes ``now``.
+
+Over HTTP (the coordinator's data routes in private runs) the same token travels as a bearer
+header, ``Authorization: Bearer <base64url of to_bytes()>`` (:func:`bearer_header`,
+:func:`token_from_bearer`). HTTP has no proof of key possession, so there the token is not
+bound to its presenter: whoever holds a copy may use it until it expires.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
 import re
 from dataclasses import dataclass
@@ -28,7 +35,7 @@ from typing import Any
 
 import msgpack
 
-from kit.errors import BadSignature, MalformedToken, TokenExpired, TokenMismatch
+from kit.errors import BadSignature, MalformedToken, MissingToken, TokenExpired, TokenMismatch
 from kit.p2p.identity import (
     PUBLIC_KEY_SIZE,
     SIGNATURE_SIZE,
@@ -46,6 +53,11 @@ MAX_RUN_ID = 256
 #: Hub user and org names (letters, digits, ``-_.``, at most 96 characters). Names kit gives
 #: itself start with "@", which no Hub name can, so they never collide with a real user.
 NAME_PATTERN = re.compile(r"^@?[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
+#: The scheme of the HTTP ``Authorization`` header that carries a token.
+BEARER_SCHEME = "Bearer"
+#: Longest accepted ``Authorization`` value: the scheme plus base64url of MAX_TOKEN_BYTES.
+MAX_BEARER_CHARS = len(BEARER_SCHEME) + 1 + 4 * (MAX_TOKEN_BYTES + 2) // 3
+_BASE64URL = re.compile(r"^[A-Za-z0-9_-]+={0,2}$")
 _TOKEN_KEYS = frozenset({"v", "user", "pk", "run", "exp", "sig"})
 
 
@@ -235,3 +247,53 @@ def verify_token(
             "help: tokens refresh by themselves; if this repeats right after joining, a clock is "
             "wrong: sync it (NTP), or raise clock_skew"
         )
+
+
+def bearer_header(token: AccessToken) -> str:
+    """The value of an HTTP ``Authorization`` header that presents ``token``."""
+    return f"{BEARER_SCHEME} {base64.urlsafe_b64encode(token.to_bytes()).decode('ascii')}"
+
+
+def token_from_bearer(header: str | None) -> AccessToken:
+    """Decode the token of an ``Authorization: Bearer ...`` header (its signature NOT checked).
+
+    The header's size is checked before anything is decoded.
+
+    Raises:
+        MissingToken: no header (or an empty one).
+        MalformedToken: too long, another scheme, not base64url, or not a kit access token.
+    """
+    if header is None or not header.strip():
+        raise MissingToken(
+            "no access token: this run's data is for allowlisted users only - help: join with "
+            "your Hugging Face token (kit join URL --hf-token ...), or check the run with "
+            "kit preflight URL --hf-token ..."
+        )
+    if len(header) > MAX_BEARER_CHARS:
+        raise MalformedToken(
+            f"the Authorization header has {len(header)} characters, more than the "
+            f"{MAX_BEARER_CHARS} of an access token - help: send the token kit's login gave you"
+        )
+    scheme, _, value = header.strip().partition(" ")
+    value = value.strip()
+    if scheme.lower() != BEARER_SCHEME.lower() or not _BASE64URL.match(value):
+        raise MalformedToken(
+            "the Authorization header is not 'Bearer <base64url access token>' - help: send "
+            "the token kit's login gave you (kit.auth.tokens.bearer_header)"
+        )
+    try:
+        data = base64.urlsafe_b64decode(value + "=" * (-len(value) % 4))
+    except (binascii.Error, ValueError):
+        raise MalformedToken(
+            "the bearer token is not valid base64url - help: send the token kit's login gave "
+            "you (kit.auth.tokens.bearer_header)"
+        ) from None
+    try:
+        return AccessToken.from_bytes(data)
+    except MalformedToken as error:
+        if "help:" in str(error):
+            raise
+        raise MalformedToken(
+            f"the bearer token is not a kit access token: {error} - help: log in again to get "
+            "a fresh token from the coordinator"
+        ) from None

@@ -12,6 +12,11 @@ that one again at the end of the pass. While the coordinator is unreachable (a r
 source waits and retries, up to ``unreachable_timeout``, and training goes on from the shard at
 hand meanwhile.
 
+In a private run every request carries the volunteer's access token (``authorization``: a
+callable giving the current ``Authorization`` value, asked per request since tokens renew). A
+401/403 is a :class:`~kit.errors.AccessRefused` with the coordinator's reason: it stops the
+source at once instead of being retried like an unreachable coordinator.
+
 It doesn't serve anything (``kit.data.serving``) nor parse shard contents (``kit.data.shards``).
 """
 
@@ -55,6 +60,14 @@ UNREACHABLE_TIMEOUT = 300.0
 #: Downloaded shards kept on disk (the oldest is deleted first).
 KEEP_SHARDS = 4
 
+#: ``authorization() -> "Bearer ..."`` (the current access token) or None (an open run).
+Authorization = Callable[[], "str | None"]
+
+
+def _headers(authorization: Authorization | None, **headers: str) -> dict[str, str]:
+    value = authorization() if authorization is not None else None
+    return {**headers, "Authorization": value} if value else headers
+
 
 def download_shard(
     url: str,
@@ -64,10 +77,14 @@ def download_shard(
     ssl_context: ssl.SSLContext | None = None,
     chunk_bytes: int = CHUNK_BYTES,
     clock: Callable[[], float] = time.monotonic,
+    authorization: Authorization | None = None,
 ) -> Path:
     """Fetch one shard into ``target`` by ranges, resuming ``target.part``; verify its digest.
 
+    ``authorization`` gives the ``Authorization`` header of each request (private runs).
+
     Raises:
+        AccessRefused: the coordinator wants a valid access token (401/403), with its reason.
         CoordinatorUnreachable: a request failed (the partial file is kept for a resume).
         DataSourceUnreachable: the download ran past its deadline.
         ShardDigestMismatch: the bytes are not the published ones (the partial is deleted).
@@ -90,7 +107,7 @@ def download_shard(
             end = min(have + chunk_bytes, entry.bytes) - 1
             answer = http_request(
                 url,
-                headers={"Range": f"bytes={have}-{end}"},
+                headers=_headers(authorization, Range=f"bytes={have}-{end}"),
                 timeout=REQUEST_TIMEOUT,
                 limit=chunk_bytes,
                 ssl_context=ssl_context,
@@ -125,6 +142,8 @@ class ServedData:
         manifest: the parsed manifest.
         cache_dir: where downloaded shards are kept (at most :data:`KEEP_SHARDS`).
         ssl_context: how to check the coordinator's certificate (None: the system CAs).
+        authorization: gives the ``Authorization`` header of each request (private runs: the
+            current access token as ``Bearer ...``); None sends none (open runs).
     """
 
     def __init__(
@@ -135,30 +154,44 @@ class ServedData:
         *,
         ssl_context: ssl.SSLContext | None = None,
         keep_shards: int = KEEP_SHARDS,
+        authorization: Authorization | None = None,
     ) -> None:
         self.manifest_url = manifest_url
         self.manifest = manifest
         self.cache_dir = Path(cache_dir)
         self.ssl_context = ssl_context
         self.keep_shards = keep_shards
+        self.authorization = authorization
 
     @classmethod
     def fetch(
-        cls, manifest_url: str, cache_dir: Path, *, ssl_context: ssl.SSLContext | None = None
+        cls,
+        manifest_url: str,
+        cache_dir: Path,
+        *,
+        ssl_context: ssl.SSLContext | None = None,
+        authorization: Authorization | None = None,
     ) -> ServedData:
         """Download and check the manifest.
 
         Raises:
+            AccessRefused: a private run's coordinator refused the (missing) access token.
             CoordinatorUnreachable: no answer. InvalidShard: not a valid manifest.
         """
-        body = http_request(manifest_url, timeout=30.0, ssl_context=ssl_context).body
+        headers = _headers(authorization)
+        body = http_request(
+            manifest_url, headers=headers, timeout=30.0, ssl_context=ssl_context
+        ).body
         try:
             data = json.loads(body)
         except ValueError as error:
             raise InvalidShard(
                 f"{manifest_url} is not JSON ({error}) - help: check the coordinator's address"
             ) from None
-        return cls(manifest_url, DataManifest.from_dict(data), cache_dir, ssl_context=ssl_context)
+        manifest = DataManifest.from_dict(data)
+        return cls(
+            manifest_url, manifest, cache_dir, ssl_context=ssl_context, authorization=authorization
+        )
 
     def __contains__(self, name: object) -> bool:
         return name in self.manifest.sources
@@ -190,7 +223,9 @@ class ServedData:
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         target = self.cache_dir / f"{entry.sha256}{SUFFIX}"
         url = urllib.parse.urljoin(self.manifest_url, entry.url)
-        download_shard(url, entry, target, ssl_context=self.ssl_context)
+        download_shard(
+            url, entry, target, ssl_context=self.ssl_context, authorization=self.authorization
+        )
         os.utime(target)  # most recently used
         kept = sorted(
             self.cache_dir.glob(f"*{SUFFIX}"), key=lambda path: path.stat().st_mtime, reverse=True

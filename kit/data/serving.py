@@ -12,6 +12,10 @@ The work is cached in the coordinator's state folder under a key of everything i
 (the source's settings, the filters, the tokenizer, each file's size and time), so a restart
 serves at once and a changed corpus is tokenized again.
 
+In a private run the coordinator passes a *request guard* (``kit.auth``'s bearer-token check,
+as a callable: this room knows nothing of tokens): both routes then answer 401 or 403 with the
+reason to a request without a valid access token, before any file is read.
+
 It doesn't hold the shard format (``kit.data.shards``), the volunteer's side
 (``kit.data.remote``) or the coordinator's other routes.
 """
@@ -26,7 +30,7 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +66,9 @@ MAX_CONCURRENT_RANGES = 8
 _CACHE_VERSION = 1
 _TOKENIZE_BATCH = 1_000
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+
+#: ``guard(request) -> None`` to serve it, or ``(status, reason)`` to refuse it (401 or 403).
+RequestGuard = Callable[[HttpRequest], "tuple[int, str] | None"]
 
 
 def resolve_files(source: SourceConfig) -> list[str]:
@@ -270,10 +277,18 @@ def _read(path: Path, start: int, length: int) -> bytes:
 
 
 class DataServer:
-    """Answers ``/api/data/manifest.json`` and ``/api/data/shard`` for the served sources."""
+    """Answers ``/api/data/manifest.json`` and ``/api/data/shard`` for the served sources.
 
-    def __init__(self, manifest: DataManifest, paths: dict[str, Path]) -> None:
+    Args:
+        manifest, paths: the served shards and where each file is.
+        guard: checks each request first (private runs); None serves everyone (open runs).
+    """
+
+    def __init__(
+        self, manifest: DataManifest, paths: dict[str, Path], guard: RequestGuard | None = None
+    ) -> None:
         self.manifest = manifest
+        self.guard = guard
         self._paths = paths
         self._sizes = {
             shard.sha256: shard.bytes
@@ -288,10 +303,30 @@ class DataServer:
         peer.add_http_route(MANIFEST_PATH, self.serve_manifest)
         peer.add_http_route(SHARD_PATH, self.serve_shard)
 
+    def _refusal(self, request: HttpRequest) -> HttpResponse | None:
+        if self.guard is None:
+            return None
+        refused = self.guard(request)
+        if refused is None:
+            return None
+        status, reason = refused
+        body = json.dumps({"error": reason}).encode()
+        headers = [("Cache-Control", "no-store")]
+        if status == 401:
+            headers.append(("WWW-Authenticate", 'Bearer realm="kit"'))
+        logger.debug("refused %s from %s: %s", request.path, request.remote_host, reason)
+        return HttpResponse(status, body, "application/json", tuple(headers))
+
     async def serve_manifest(self, request: HttpRequest) -> HttpResponse:
+        refusal = self._refusal(request)
+        if refusal is not None:
+            return refusal
         return HttpResponse(200, self._body, "application/json", (("Cache-Control", "no-store"),))
 
     async def serve_shard(self, request: HttpRequest) -> HttpResponse:
+        refusal = self._refusal(request)
+        if refusal is not None:
+            return refusal
         digest = request.query.get("sha256", "")
         if digest not in self._sizes:
             return HttpResponse(404, b"no such shard", "text/plain")

@@ -1,4 +1,5 @@
-"""Access tokens, pure: signing, the strict wire format, and every check of verify_token."""
+"""Access tokens, pure: signing, the strict wire format, every check of verify_token, and the
+bearer form that HTTP requests carry."""
 
 from __future__ import annotations
 
@@ -7,8 +8,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kit.auth.tokens import MAX_TOKEN_BYTES, AccessToken, verify_token
-from kit.errors import BadSignature, MalformedToken, TokenExpired, TokenMismatch
+import base64
+
+from kit.auth.tokens import (
+    MAX_BEARER_CHARS,
+    MAX_TOKEN_BYTES,
+    AccessToken,
+    bearer_header,
+    token_from_bearer,
+    verify_token,
+)
+from kit.errors import BadSignature, MalformedToken, MissingToken, TokenExpired, TokenMismatch
 from kit.p2p.identity import Identity
 
 AUTHORITY = Identity.generate()
@@ -148,3 +158,66 @@ def test_signing_refuses_bad_fields() -> None:
         token(username="")
     with pytest.raises(MalformedToken):
         token(peer_public_key=b"x" * 31)
+
+
+def test_the_bearer_form_round_trips_and_is_url_safe() -> None:
+    original = token()
+    header = bearer_header(original)
+    scheme, value = header.split(" ")
+    assert scheme == "Bearer" and set(value) <= set(
+        "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_="
+    )
+    assert base64.urlsafe_b64decode(value) == original.to_bytes()
+    assert token_from_bearer(header) == original
+    assert token_from_bearer(f"  bearer {value.rstrip('=')}  ") == original  # case, padding
+
+
+@pytest.mark.parametrize("header", [None, "", "   "])
+def test_no_bearer_header_is_a_missing_token_with_help(header: str | None) -> None:
+    with pytest.raises(MissingToken, match="allowlisted users only - help:"):
+        token_from_bearer(header)
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        "Bearer",  # no token
+        "Basic " + base64.b64encode(b"alice:secret").decode(),  # another scheme
+        "Bearer abc+/def",  # standard base64, not base64url
+        "Bearer a",  # not a whole byte
+        "Bearer ab=c",  # padding inside
+        "Bearer " + "é" * 10,  # not ASCII
+        "Bearer two words",
+        "Bearer " + base64.urlsafe_b64encode(b"garbage").decode(),  # base64url, not a token
+        "Bearer " + base64.urlsafe_b64encode(wire(user=b"alice")).decode(),  # a bad token
+        "Bearer " + "A" * (MAX_BEARER_CHARS + 1),  # oversize: refused before decoding
+        "Bearer " + "A" * 10_000_000,
+    ],
+    ids=[
+        "empty", "basic", "std-base64", "one-char", "inner-padding", "non-ascii", "two-words",
+        "garbage", "bad-token", "oversize", "huge",
+    ],
+)  # fmt: skip
+def test_malformed_bearer_headers_get_a_typed_error_with_help(header: str) -> None:
+    with pytest.raises(MalformedToken) as refused:
+        token_from_bearer(header)
+    assert "help:" in str(refused.value)
+
+
+def test_an_oversize_bearer_header_is_refused_before_decoding(monkeypatch) -> None:
+    decoded: list[object] = []
+    monkeypatch.setattr(base64, "urlsafe_b64decode", lambda data: decoded.append(data))
+    with pytest.raises(MalformedToken, match="more than the"):
+        token_from_bearer("Bearer " + "A" * (MAX_BEARER_CHARS + 1))
+    assert decoded == []
+    # The longest real token fits.
+    longest = token(username="a" * 96, run_id="r" * 256)
+    assert len(bearer_header(longest)) <= MAX_BEARER_CHARS
+
+
+@given(st.text(max_size=300))
+def test_random_headers_never_raise_anything_but_missing_or_malformed(header: str) -> None:
+    try:
+        token_from_bearer(header)
+    except (MissingToken, MalformedToken):
+        pass
