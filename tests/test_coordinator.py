@@ -16,7 +16,9 @@ import pytest
 from kit.config import RunConfig
 from kit.coordinator import Coordinator, CoordinatorOptions, create_authority
 from kit.demo import prepare
-from kit.errors import ConfigError, NotAllowlisted, Revoked
+from kit.data.remote import ServedData
+from kit.errors import AccessRefused, ConfigError, NotAllowlisted, Revoked
+from kit.http_client import http_get
 from kit.testing.fake_hub import FakeHub
 from kit.volunteer import CoordinatorUnreachable, Volunteer, coordinator_url, fetch_run_info
 
@@ -302,7 +304,9 @@ def test_a_run_yaml_whose_authority_key_is_not_ours_is_refused(tmp_path) -> None
 
 def test_volunteers_join_an_allowlisted_coordinator_over_wss(tmp_path, hub) -> None:
     """TLS on the coordinator's port (Colab/Kaggle let only HTTPS out): run info, token, tokenizer
-    and the peer connection all go over https/wss, checked against the organizer's certificate."""
+    and the peer connection all go over https/wss, checked against the organizer's certificate.
+    The served data goes to token holders only: the volunteer trains from it with its token, a
+    stranger is refused."""
     import ssl
 
     from tests.p2p.tls import make_certificate
@@ -331,6 +335,15 @@ def test_volunteers_join_an_allowlisted_coordinator_over_wss(tmp_path, hub) -> N
         assert coordinator.join_url == f"https://127.0.0.1:{port}"
         with pytest.raises(CoordinatorUnreachable):  # the system CAs do not know this certificate
             fetch_run_info(coordinator.join_url, timeout=5)
+        # Its own start-up check read the served data with its own peer's token.
+        assert coordinator.preflight is not None and coordinator.preflight.ok
+        # A stranger reads how to join (run, tokenizer, wheel, join notebook), not the data.
+        info = fetch_run_info(coordinator.join_url, ssl_context=trusted)
+        assert info.data_manifest_url is not None and info.tokenizer_url and info.install_url
+        for public in (info.tokenizer_url, info.install_url, info.url + "/join.ipynb"):
+            assert http_get(public, ssl_context=trusted)
+        with pytest.raises(AccessRefused, match="HTTP 401: no access token.*allowlisted.*help:"):
+            ServedData.fetch(info.data_manifest_url, tmp_path / "stranger", ssl_context=trusted)
         volunteer = Volunteer(
             coordinator.join_url,
             work_dir=tmp_path / "alice",

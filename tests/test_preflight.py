@@ -1,10 +1,12 @@
 """``kit preflight`` and the coordinator's start-up check (one implementation): a run a remote
 volunteer can train in passes; a run whose tokenizer or data a remote volunteer cannot reach is
-refused at start, with each reason and what to do; a volunteer with another kit is told."""
+refused at start, with each reason and what to do; a volunteer with another kit is told; a
+private run's data is checked with the coordinator's own token, or an allowlisted user's."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
 import subprocess
 import sys
@@ -15,7 +17,7 @@ import pytest
 
 import kit
 from kit.config import RunConfig, SourceConfig
-from kit.coordinator import Coordinator, CoordinatorOptions
+from kit.coordinator import Coordinator, CoordinatorOptions, create_authority
 from kit.demo import prepare
 from kit.errors import DataSourceNotFound, PreflightFailed
 from kit.preflight import CHECKS, run_preflight
@@ -143,3 +145,53 @@ def test_a_coordinator_whose_files_are_missing_refuses_to_start(
     with pytest.raises(DataSourceNotFound, match="no file matches .*help:"):
         coordinator.start()
     coordinator.shutdown()
+
+
+def test_a_private_runs_data_is_checked_with_a_token_and_refused_without(
+    organizer: tuple[RunConfig, Path], tmp_path: Path
+) -> None:
+    from kit.testing.fake_hub import FakeHub
+
+    config, root = organizer
+    port, state = free_port(), tmp_path / "state"
+    access = dataclasses.replace(
+        config.access,
+        usernames=("alice",),
+        authority_public_key=create_authority(state),
+        coordinator=f"/ip4/127.0.0.1/tcp/{port}/ws",
+    )
+    private = dataclasses.replace(config, access=access)
+    with FakeHub() as hub:
+        hub.add_user("alice", token="hf_alice")
+        hub.add_user("mallory", token="hf_mallory")
+        settings = options(root, state_dir=str(state), port=port, hf_endpoint=hub.endpoint)
+        with Coordinator(private, settings) as coordinator:
+            # Its start-up check read its own data with its own peer's token.
+            assert coordinator.preflight is not None and coordinator.preflight.ok
+
+            def preflight(*arguments: str) -> subprocess.CompletedProcess[str]:
+                command = [sys.executable, "-m", "kit", "preflight", coordinator.join_url]
+                environment = {k: v for k, v in os.environ.items() if k != "HF_TOKEN"}
+                return subprocess.run(
+                    [*command, *arguments],
+                    capture_output=True,
+                    text=True,
+                    timeout=180,
+                    cwd=tmp_path,
+                    env=environment,
+                )
+
+            stranger = preflight()
+            assert stranger.returncode == 1, stranger.stdout
+            lines = stranger.stdout.splitlines()
+            assert [line.split(":")[0] for line in lines[:4]] == [
+                "ok   run", "ok   versions", "ok   tokenizer", "FAIL data"
+            ]  # fmt: skip
+            assert "HTTP 401: no access token: this run's data is for allowlisted users" in lines[3]
+            assert "--hf-token" in lines[3]
+            unlisted = run_preflight(coordinator.join_url, hf_token="hf_mallory")
+            (problem,) = unlisted.problems
+            assert problem.startswith("data: ") and "not on the allowlist" in problem, problem
+            member = preflight("--hf-token", "hf_alice")
+            assert member.returncode == 0, member.stdout
+            assert "preflight passed" in member.stdout
