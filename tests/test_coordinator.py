@@ -15,8 +15,8 @@ import pytest
 
 from kit.config import RunConfig
 from kit.coordinator import Coordinator, CoordinatorOptions, create_authority
-from kit.demo import prepare
 from kit.data.remote import ServedData
+from kit.demo import prepare
 from kit.errors import AccessRefused, ConfigError, NotAllowlisted, Revoked
 from kit.http_client import http_get
 from kit.testing.fake_hub import FakeHub

@@ -93,9 +93,15 @@ async def test_only_a_valid_token_of_this_run_gets_the_manifest_and_shards(
             "stranger": (None, 401, "allowlisted users only - help:"),
             "garbage": ("Bearer not*base64", 401, "is not 'Bearer <base64url"),
             "other scheme": ("Basic YWxpY2U6c2VjcmV0", 401, "is not 'Bearer <base64url"),
-            "oversize": ("Bearer " + "A" * 5_000, 401, "more than the"),  # the transport refuses 8 KiB
+            "oversize": (
+                "Bearer " + "A" * 5_000,
+                401,
+                "more than the",
+            ),  # the transport refuses 8 KiB
             "forged": (
-                bearer_header(AccessToken.sign(Identity.generate(), "alice", key, RUN_ID, now + 600)),
+                bearer_header(
+                    AccessToken.sign(Identity.generate(), "alice", key, RUN_ID, now + 600)
+                ),
                 403,
                 "not signed by this run's authority",
             ),
@@ -110,7 +116,11 @@ async def test_only_a_valid_token_of_this_run_gets_the_manifest_and_shards(
                 "expired",
             ),
             "banned user": (bob.bearer(), 403, "'bob' is revoked"),
-            "banned key": (bearer_header(issuer.issue("alice", carol_key, now=now)), 403, "revoked"),
+            "banned key": (
+                bearer_header(issuer.issue("alice", carol_key, now=now)),
+                403,
+                "revoked",
+            ),
         }
         run.coordinator_authorizer.update_revocations(
             issuer.revoke(usernames=["bob"], peer_public_keys=[carol_key], now=now)

@@ -3,12 +3,12 @@ bearer form that HTTP requests carry."""
 
 from __future__ import annotations
 
+import base64
+
 import msgpack
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-import base64
 
 from kit.auth.tokens import (
     MAX_BEARER_CHARS,
