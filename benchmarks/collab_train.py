@@ -20,7 +20,9 @@ peers' kit.optim log each averaging round's matchmaking and all-reduce times on 
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -28,22 +30,47 @@ import tempfile
 import time
 
 # Peers run as ``python benchmarks/collab_train.py``: make the repository's ``kit`` importable.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+class _KitEvents(logging.Handler):
+    """Records when kit logs the late peer's first look at the progress and its state download."""
+
+    MARKS = {
+        "progress_found": "first look at the collaboration",
+        "state_downloaded": "state of epoch",
+    }
+
+    def __init__(self, launched: float, phases: dict[str, float]) -> None:
+        super().__init__(logging.DEBUG)
+        self.launched, self.phases = launched, phases
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        for phase, mark in self.MARKS.items():
+            if phase not in self.phases and message.startswith(mark):
+                self.phases[phase] = record.created - self.launched
 
 
 def peer_main(args: argparse.Namespace) -> None:
+    launched = float(args.launched)
+    phases: dict[str, float] = {"started": time.time() - launched}
     import torch
 
+    phases["torch_imported"] = time.time() - launched
     import kit
+    import kit.dht
+    import kit.optim
 
+    phases["kit_imported"] = time.time() - launched
     torch.set_num_threads(1)
     if os.environ.get("KIT_BENCH_LOG"):  # e.g. DEBUG: the optimizer's per-round timings on stderr
-        import logging
-
         logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
         logging.getLogger("kit.optim").setLevel(os.environ["KIT_BENCH_LOG"])
-    launched = float(args.launched)
-    phases: dict[str, float] = {"imported": time.time() - launched}
+    if args.late:
+        logging.getLogger("kit.optim").setLevel(logging.DEBUG)
+        logging.getLogger("kit.optim").addHandler(_KitEvents(launched, phases))
     torch.manual_seed(0)
     teacher = torch.randn(args.in_dim, 10)
     model = torch.nn.Sequential(
@@ -53,6 +80,7 @@ def peer_main(args: argparse.Namespace) -> None:
         torch.nn.ReLU(),
         torch.nn.Linear(args.hidden, 10),
     )
+    phases["model_built"] = time.time() - launched
     dht = kit.DHT(
         initial_peers=[args.initial_peer] if args.initial_peer else [],
         host="127.0.0.1",
@@ -62,20 +90,26 @@ def peer_main(args: argparse.Namespace) -> None:
     if not args.initial_peer:
         with open(args.events + ".addr", "w") as file:
             file.write(dht.get_visible_maddrs()[0])
-    # --delay-grad-averaging (kit only): rounds and steps in the background; it needs the
-    # optimizer's factory form, so the Adam is built by kit.
-    delayed = {"delay_grad_averaging": True, "params": model.parameters()} if args.delay else {}
+
+    def adam(params: object) -> torch.optim.Optimizer:
+        # As the anchor (optimizer=torch.optim.Adam, params=...): the optimizer builds it. Its
+        # first construction imports torch._dynamo (~1.4 s), in either script.
+        phases["adam_begun"] = time.time() - launched
+        built = torch.optim.Adam(params, lr=1e-3)  # type: ignore[arg-type]
+        phases["adam_built"] = time.time() - launched
+        return built
+
     opt = kit.Optimizer(
         dht=dht,
         run_id="bench",
         target_batch_size=args.target_batch_size,
         batch_size_per_step=args.batch_size,
-        optimizer=(lambda p: torch.optim.Adam(p, lr=1e-3))
-        if args.delay
-        else torch.optim.Adam(model.parameters(), lr=1e-3),
+        optimizer=adam,
+        params=model.parameters(),
         matchmaking_time=args.matchmaking_time,
         averaging_timeout=args.averaging_timeout,
-        **delayed,
+        # --delay-grad-averaging (kit only): rounds and steps in the background
+        delay_grad_averaging=args.delay,
     )
     phases["optimizer_ready"] = time.time() - launched
     if args.late:
@@ -83,29 +117,35 @@ def peer_main(args: argparse.Namespace) -> None:
         phases["state_loaded"] = time.time() - launched
     generator = torch.Generator().manual_seed(os.getpid())
     deadline = time.time() + args.deadline
+    joined = not args.late
+    pending: list[str] = []
+    flushed = 0.0
     with open(args.events, "w") as events:
         while time.time() < deadline and not os.path.exists(args.stop):
+            start = time.time()  # the batch is made inside the timed part, as in the anchor
             inputs = torch.randn(args.batch_size, args.in_dim, generator=generator)
             labels = (inputs @ teacher).argmax(-1)
-            start = time.time()
             loss = torch.nn.functional.cross_entropy(model(inputs), labels)
             loss.backward()
             computed = time.time()
             opt.step()
             opt.zero_grad()
-            synced = opt.local_epoch >= opt.tracker.global_progress.epoch
-            events.write(
-                json.dumps(
-                    [start, computed, time.time(), opt.local_epoch, synced, round(loss.item(), 4)]
-                )
-                + "\n"
-            )
-            events.flush()
-            if args.late and synced and not os.path.exists(args.events + ".joined"):
-                with open(args.events + ".joined", "w") as file:
-                    file.write(str(time.time() - launched))
+            synced = joined or opt.local_epoch >= opt.tracker.global_progress.epoch
+            end = time.time()
+            pending.append(json.dumps([start, computed, end, opt.local_epoch, synced, loss.item()]))
+            if not flushed or end - flushed > 1.0:  # the first step at once: the launcher waits
+                events.write("\n".join(pending) + "\n")
+                events.flush()
+                pending.clear()
+                flushed = end
+            if not joined and synced:
+                joined = True
+                phases["joined"] = end - launched
                 with open(args.events + ".phases", "w") as file:
-                    json.dump({k: round(v, 2) for k, v in phases.items()}, file)
+                    json.dump({k: round(v, 3) for k, v in phases.items()}, file)
+                with open(args.events + ".joined", "w") as file:
+                    file.write(str(end - launched))
+        events.write("".join(line + "\n" for line in pending))
     opt.shutdown()
     dht.shutdown()
 
@@ -122,6 +162,32 @@ def window(events: list[list[float]], t0: float, t1: float) -> dict[str, float]:
         "fwd_bwd_s": compute,
         "longest_stall_s": max(gaps, default=0.0),
     }
+
+
+def phase_durations(phases: dict[str, float]) -> dict[str, float]:
+    """The late peer's start as consecutive phases (seconds each; they add up to time_to_join_s).
+
+    The state download and the first look at the progress run in the background while the
+    optimizer is built: ``state_download_wait`` is what remained of them after it.
+    """
+    order = [
+        ("process_start", "started"),
+        ("import_torch", "torch_imported"),
+        ("import_kit", "kit_imported"),
+        ("build_model", "model_built"),
+        ("dht_bootstrap", "dht_ready"),
+        ("optimizer_setup", "adam_begun"),
+        ("script_adam", "adam_built"),  # the script's own torch.optim.Adam (torch._dynamo import)
+        ("optimizer_setup_rest", "optimizer_ready"),
+        ("state_download_wait", "state_loaded"),
+        ("first_step", "joined"),
+    ]
+    durations, previous = {}, 0.0
+    for name, mark in order:
+        if mark in phases:
+            durations[name] = round(phases[mark] - previous, 3)
+            previous = phases[mark]
+    return durations
 
 
 def main() -> None:
@@ -153,6 +219,10 @@ def main() -> None:
     if args.role == "peer":
         return peer_main(args)
 
+    # kit's modules as an installed kit has them: compiled (pip compiles a wheel's modules, and
+    # hivemind's are in the anchor's venv); a source tree under PYTHONDONTWRITEBYTECODE=1 would
+    # compile them again in every process (~0.2 s of the late peer's start).
+    compileall.compile_dir(os.path.join(ROOT, "kit"), quiet=1)
     folder = tempfile.mkdtemp(prefix="kit-collab-")
     stop = os.path.join(folder, "stop")
     common = [
@@ -230,7 +300,9 @@ def main() -> None:
                 late_result["time_to_join_s"] = round(float(file.read()), 2)
         if os.path.exists(joined.replace(".joined", ".phases")):
             with open(joined.replace(".joined", ".phases")) as file:
-                late_result["phases_s"] = json.load(file)
+                phases = json.load(file)
+            late_result["phases_s"] = dict(sorted(phases.items(), key=lambda kv: kv[1]))
+            late_result["phase_durations_s"] = phase_durations(phases)
         processes.append(late)
     open(stop, "w").close()
     for process in processes:

@@ -22,6 +22,32 @@ import torch
 logger = logging.getLogger(__name__)
 
 
+def all_finite(tensors: Sequence[torch.Tensor | None]) -> bool:
+    """Whether no element of ``tensors`` (None entries skipped) is inf or NaN, in one device sync.
+
+    A sum is finite if every element is, and any inf or NaN makes it inf or NaN: so one read pass
+    (the sums) answers for finite gradients, and only a non-finite sum (a bad element, or finite
+    elements overflowing it) is checked element by element. On CPU ``torch.isfinite(g).all()``
+    costs ~20x a sum (four passes and two temporaries): 10 ms a step for a 5M-parameter model,
+    as much as its forward/backward (issue 21).
+    """
+    present = [t for t in tensors if t is not None and t.numel() > 0]
+    if not present:
+        return True
+    device = present[0].device
+    with torch.no_grad():
+        sums = [t.sum(dtype=_sum_dtype(t)).to(device=device, dtype=torch.float64) for t in present]
+        if bool(torch.isfinite(torch.stack(sums).sum())):
+            return True
+        flags = [torch.isfinite(t).all().to(device) for t in present]
+        return bool(torch.stack(flags).all())
+
+
+def _sum_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """float64 sums of float64 tensors, float32 of the rest (fp16's range overflows at 65504)."""
+    return torch.float64 if tensor.dtype == torch.float64 else torch.float32
+
+
 class GradientAccumulator:
     """Samples and gradients of this peer's current epoch.
 
@@ -55,7 +81,7 @@ class GradientAccumulator:
         """
         scale = 1.0 if grad_scaler is None else float(grad_scaler.get_scale())
         grads = [p.grad for p in self.params]
-        if not all(g is None or bool(torch.isfinite(g).all()) for g in grads):
+        if not all_finite(grads):
             logger.warning("skipping a step with non-finite gradients (it is not sent to peers)")
             if grad_scaler is not None:
                 grad_scaler.update(scale / 2)

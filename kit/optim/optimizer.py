@@ -57,12 +57,12 @@ from kit.errors import (
     ConfigError,
     KitUsageError,
 )
-from kit.optim.accumulation import GradientAccumulator
+from kit.optim.accumulation import GradientAccumulator, all_finite
 from kit.optim.arguments import resolve_defaults, validate
 from kit.optim.global_step import GlobalStep
 from kit.optim.progress import GlobalProgress, ProgressTracker
 from kit.optim.rounds import RoundOutcome, group_bits
-from kit.optim.sharing import StateSharing
+from kit.optim.sharing import MAX_FAST_FORWARD, StateSharing
 from kit.optim.state import StateServer, StateSnapshot
 from kit.optim.state_averaging import (
     AveragedTensors,
@@ -77,7 +77,6 @@ logger = logging.getLogger(__name__)
 
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
-MAX_FAST_FORWARD = 16  # further behind than this many epochs, a peer downloads the state first
 
 
 class Optimizer(StateSharing, GlobalStep, torch.optim.Optimizer):
@@ -188,93 +187,22 @@ class Optimizer(StateSharing, GlobalStep, torch.optim.Optimizer):
         # statistics chosen by its memory plan): its steps are never bit-identical to theirs,
         # so every round marks it drifted and parameter averaging pulls it back.
         self.exact_steps = True
-        self._inner = InnerOptimizer(optimizer, params, copies=offload, delay=delay_step)
-        self.opt = self._inner.opt
-        self._params = self._inner.params
-        self._extra = list(extra_tensors)
-        if self.average_opt_statistics:
-            initialize_statistics(self.opt, self.average_opt_statistics)  # before the scheduler
-        self._averaged = AveragedTensors(self._inner, self.average_opt_statistics, self._extra)
-        self.scheduler = (
-            scheduler(self.opt)
-            if callable(scheduler) and not hasattr(scheduler, "step")
-            else scheduler
+        self._runtime = get_runtime()
+        self._catch_up: concurrent.futures.Future[StateSnapshot | None] | None = None
+        # A late joiner needs the collaboration's state and progress: both are fetched while the
+        # rest is set up (building the inner optimizer alone takes ~1.4 s on torch 2.x: its first
+        # use imports torch._dynamo), and load_state_from_peers, or the first step, takes the
+        # state if it is still current.
+        self._prefetch = (
+            None if auxiliary else self._download(load_state_timeout, only_if_running=True)
         )
-        # torch.optim.Optimizer bookkeeping: share the inner optimizer's groups and state.
-        self.defaults = self.opt.defaults
-        self._optimizer_step_pre_hooks = {}  # type: ignore[var-annotated]
-        self._optimizer_step_post_hooks = {}  # type: ignore[var-annotated]
-        self.local_epoch = 0
-        self.nonfinite_rollbacks = 0  # steps undone because they left a parameter non-finite
-        self._last_shared: StateSnapshot | None = None  # the last state this peer shared
-        self._in_step = False  # it has loaded a state or taken a global step with the others
-        self._step_ended: float | None = None  # when the last step() returned (perf_counter)
-        self._last_group_size = 0  # of the last gradient round (0: none, or it failed)
-        self._outcome: RoundOutcome | None = None  # of a background gradient round, to conclude
-        self._held_report: tuple[int, int] | None = None  # published while that round runs
-        self._hold_until = 0.0  # and after it failed, until then at most (monotonic time)
-        self._catch_up_base: list[torch.Tensor] = []  # our parameters when a catch-up began
-        self._catch_up_epoch = 0  # and our epoch then
-        self._catch_up_tries = 0  # downloads since we fell behind
-        self._round_listeners: list[Callable[[int, RoundResult], None]] = []
-        self._accumulated = GradientAccumulator(
-            self._params,
-            reuse_grad_buffers=reuse_grad_buffers,
-            buffered=not (use_local_updates or auxiliary),
-        )
+        client = dht.client_mode if client_mode is None else client_mode
+        identity = dht.node.peer.identity
         # A fresh peer's parameters match nobody's (random init, or a checkpoint): drifted until
         # a state download or a complete parameter round says otherwise.
         self._drifted = True
-        self._state_buffers = [
-            torch.zeros(t.shape, dtype=torch.float32) for t in self._averaged.current()
-        ]
-        self._catch_up: concurrent.futures.Future[StateSnapshot | None] | None = None
-        self._runtime = get_runtime()
-        # A late joiner will need the collaboration's state: fetch it while the rest is set up
-        # (load_state_from_peers, or the first step, takes it if it is still current).
-        prefetch = None if auxiliary else self._download(load_state_timeout, only_if_running=True)
-        client = dht.client_mode if client_mode is None else client_mode
-        averaging: dict[str, Any] = {
-            "min_matchmaking_time": self.matchmaking_time,
-            "request_timeout": min(3.0, self.matchmaking_time),
-            "allreduce_timeout": allreduce_timeout or self.averaging_timeout,
-            "next_chunk_timeout": next_chunk_timeout,
-            "client_mode": client,
-            "auxiliary": auxiliary,
-            # kit's optimizer shares its state itself (optim/state.py: several donors, digest)
-            "allow_state_sharing": False,
-            **(averager_opts or {}),  # the user's options win over kit's defaults
-        }
-        # With local updates parameters are averaged, never gradients: no gradient averager
-        # (hivemind's grad_averager is None then too).
-        self.grad_averager: DecentralizedAverager | None = None
-        if not use_local_updates:
-            self.grad_averager = DecentralizedAverager(
-                [torch.zeros(p.shape, dtype=torch.float32) for p in self._params],
-                dht,
-                prefix=f"{run_id}_grad_averager",
-                compression=grad_compression or NoCompression(),
-                # gradients of different batches: one shared average has the smaller error
-                # with a lossy codec, and every member steps with the same bytes (averages.py)
-                **{"lossy_deltas": False, **averaging},
-            )
-        # Bit-identical averaged gradients on every member (state_averaging.py): an exact codec,
-        # or one shared lossy average that every member decodes alike (averages.py).
-        self._exact_gradients = self.grad_averager is not None and (
-            not self.grad_averager.settings.lossy_deltas
-            or isinstance(grad_compression or NoCompression(), NoCompression)
-        )
-        self.state_averager = DecentralizedAverager(
-            self._state_buffers,
-            dht,
-            prefix=f"{run_id}_state_averager",
-            compression=state_averaging_compression or NoCompression(),
-            **averaging,
-        )
-        self._state_round = DelayedStateAveraging(self.state_averager, self._averaged.add)
-        identity = dht.node.peer.identity
 
-        async def start(_: Any, node: Any) -> tuple[ProgressTracker, StateServer]:
+        async def track(_: Any, node: Any) -> ProgressTracker:
             options: dict[str, Any] = {
                 "identity": identity,
                 "client_mode": client,
@@ -284,13 +212,96 @@ class Optimizer(StateSharing, GlobalStep, torch.optim.Optimizer):
                 **(tracker_opts or {}),  # the user's options win over kit's defaults
             }
             tracker = ProgressTracker(node, run_id, target_batch_size, **options)
+            tracker.set_drifted(self._drifted)
             tracker.start()
-            return tracker, StateServer(node.peer, node, run_id, identity)
+            return tracker
 
-        self.tracker, self._state_server = dht.run_coroutine(start)
-        self._prefetch = prefetch
-        self.tracker.set_drifted(self._drifted)
-        self._publish_state()
+        self.tracker = dht.run_coroutine(track)
+        try:
+            self._inner = InnerOptimizer(optimizer, params, copies=offload, delay=delay_step)
+            self.opt = self._inner.opt
+            self._params = self._inner.params
+            self._extra = list(extra_tensors)
+            if self.average_opt_statistics:
+                initialize_statistics(self.opt, self.average_opt_statistics)  # before the scheduler
+            self._averaged = AveragedTensors(self._inner, self.average_opt_statistics, self._extra)
+            self.scheduler = (
+                scheduler(self.opt)
+                if callable(scheduler) and not hasattr(scheduler, "step")
+                else scheduler
+            )
+            # torch.optim.Optimizer bookkeeping: share the inner optimizer's groups and state.
+            self.defaults = self.opt.defaults
+            self._optimizer_step_pre_hooks = {}  # type: ignore[var-annotated]
+            self._optimizer_step_post_hooks = {}  # type: ignore[var-annotated]
+            self.local_epoch = 0
+            self.nonfinite_rollbacks = 0  # steps undone because they left a parameter non-finite
+            self._last_shared: StateSnapshot | None = None  # the last state this peer shared
+            self._in_step = False  # it has loaded a state or taken a global step with the others
+            self._step_ended: float | None = None  # when the last step() returned (perf_counter)
+            self._last_group_size = 0  # of the last gradient round (0: none, or it failed)
+            self._outcome: RoundOutcome | None = None  # of a background gradient round, to conclude
+            self._held_report: tuple[int, int] | None = None  # published while that round runs
+            self._hold_until = 0.0  # and after it failed, until then at most (monotonic time)
+            self._catch_up_base: list[torch.Tensor] = []  # our parameters when a catch-up began
+            self._catch_up_epoch = 0  # and our epoch then
+            self._catch_up_tries = 0  # downloads since we fell behind
+            self._round_listeners: list[Callable[[int, RoundResult], None]] = []
+            self._accumulated = GradientAccumulator(
+                self._params,
+                reuse_grad_buffers=reuse_grad_buffers,
+                buffered=not (use_local_updates or auxiliary),
+            )
+            self._state_buffers = [
+                torch.zeros(t.shape, dtype=torch.float32) for t in self._averaged.current()
+            ]
+            averaging: dict[str, Any] = {
+                "min_matchmaking_time": self.matchmaking_time,
+                "request_timeout": min(3.0, self.matchmaking_time),
+                "allreduce_timeout": allreduce_timeout or self.averaging_timeout,
+                "next_chunk_timeout": next_chunk_timeout,
+                "client_mode": client,
+                "auxiliary": auxiliary,
+                # kit's optimizer shares its state itself (optim/state.py: several donors, digest)
+                "allow_state_sharing": False,
+                **(averager_opts or {}),  # the user's options win over kit's defaults
+            }
+            # With local updates parameters are averaged, never gradients: no gradient averager
+            # (hivemind's grad_averager is None then too).
+            self.grad_averager: DecentralizedAverager | None = None
+            if not use_local_updates:
+                self.grad_averager = DecentralizedAverager(
+                    [torch.zeros(p.shape, dtype=torch.float32) for p in self._params],
+                    dht,
+                    prefix=f"{run_id}_grad_averager",
+                    compression=grad_compression or NoCompression(),
+                    # gradients of different batches: one shared average has the smaller error
+                    # with a lossy codec, and every member steps with the same bytes (averages.py)
+                    **{"lossy_deltas": False, **averaging},
+                )
+            # Bit-identical averaged gradients on every member (state_averaging.py): an exact
+            # codec, or one shared lossy average that every member decodes alike (averages.py).
+            self._exact_gradients = self.grad_averager is not None and (
+                not self.grad_averager.settings.lossy_deltas
+                or isinstance(grad_compression or NoCompression(), NoCompression)
+            )
+            self.state_averager = DecentralizedAverager(
+                self._state_buffers,
+                dht,
+                prefix=f"{run_id}_state_averager",
+                compression=state_averaging_compression or NoCompression(),
+                **averaging,
+            )
+            self._state_round = DelayedStateAveraging(self.state_averager, self._averaged.add)
+
+            async def serve(_: Any, node: Any) -> StateServer:
+                return StateServer(node.peer, node, run_id, identity)
+
+            self._state_server = dht.run_coroutine(serve)
+            self._publish_state()
+        except BaseException:
+            self._stop_prefetch_and_tracker()
+            raise
 
     # The inner optimizer's groups and state, always its current objects (its load_state_dict
     # replaces them, so they are never copied here).
@@ -445,6 +456,18 @@ class Optimizer(StateSharing, GlobalStep, torch.optim.Optimizer):
             if self.dht.is_alive():
                 self.dht.run_coroutine(stop)
 
+    def _stop_prefetch_and_tracker(self) -> None:
+        """Undo what __init__ started before it failed (a bad optimizer factory, bad options)."""
+        if self._prefetch is not None:
+            self._prefetch.cancel()
+            self._prefetch = None
+
+        async def stop(_: Any, node: Any) -> None:
+            await self.tracker.shutdown()
+
+        if self.dht.is_alive():
+            self.dht.run_coroutine(stop)
+
     def _finish_optimizer_step(self, wait: float | None) -> None:
         """Apply a delayed optimizer step if it is over (``wait``: as ``InnerOptimizer.finish``)."""
         if self._inner.finish(wait):
@@ -492,7 +515,7 @@ class Optimizer(StateSharing, GlobalStep, torch.optim.Optimizer):
         epoch back), flags itself drifted, and catches up with the others' current state at its
         next step; ``nonfinite_rollbacks`` counts these (the volunteer's status shows it).
         """
-        if _all_finite(self._params):
+        if all_finite(self._params):
             return False
         self.nonfinite_rollbacks += 1
         snapshot = self._last_shared
@@ -547,13 +570,3 @@ class Optimizer(StateSharing, GlobalStep, torch.optim.Optimizer):
                 if math.isfinite(progress.eta_next_epoch)
                 else 0.5
             )
-
-
-def _all_finite(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether no element of ``tensors`` is inf or NaN (one device sync)."""
-    if not tensors:
-        return True
-    with torch.no_grad():
-        flags = [torch.isfinite(t).all() for t in tensors]
-        device = flags[0].device
-        return bool(torch.stack([flag.to(device) for flag in flags]).all())

@@ -234,12 +234,19 @@ class ProgressTracker:
         self.drifted = False
         self.local = LocalProgress(self._peer_id, 0, 0, 0.0, get_dht_time(), client_mode, auxiliary)
         self._others: list[LocalProgress] = []  # other peers' records, as last fetched
+        self._others_samples: dict[int, int] = {}  # their reported samples, by epoch
         self._last_report_time: float | None = None
+        self.fetched_at: float | None = None  # DHT time of the last fetch of the others' records
         self._wake = asyncio.Event()
         self._fetched = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake_requested = False  # a wake-up is on its way to the loop
+        self._publish_due = False  # a changed record waits for the next periodic publish
 
     def start(self) -> None:
+        """Start publishing and fetching (call it on the runtime loop)."""
+        self._loop = asyncio.get_running_loop()
         self._task = asyncio.ensure_future(self._run())
 
     async def shutdown(self) -> None:
@@ -249,10 +256,18 @@ class ProgressTracker:
     # --- local progress ------------------------------------------------------------------
 
     def report_local_progress(self, epoch: int, samples_accumulated: int) -> None:
-        """Record progress (called from the training step); published right away."""
+        """Record progress (called from the training thread, at every step).
+
+        Published at once when it matters to the others (a new epoch; the collaboration reaching
+        the target batch with these samples, as far as this peer can tell), else with the next
+        periodic publish, at most ``min_refresh_period`` later: a DHT store costs ~2 ms of CPU
+        over both peers, too much for every 15 ms step, and the others extrapolate our samples
+        from our rate meanwhile (``aggregate``).
+        """
         now = get_dht_time()
-        added = samples_accumulated - self.local.samples_accumulated
-        if self.measure_reports and epoch == self.local.epoch and added > 0:
+        previous = self.local
+        added = samples_accumulated - previous.samples_accumulated
+        if self.measure_reports and epoch == previous.epoch and added > 0:
             self.performance_ema.update(added, now - (self._last_report_time or now))
         rate = self.performance_ema.samples_per_second
         self._last_report_time = now
@@ -266,14 +281,49 @@ class ProgressTracker:
             self.auxiliary,
             self.drifted,
         )
-        self._wake.set()
+        others = self._others_samples.get(epoch, 0)
+        reaches_target = (
+            previous.samples_accumulated + others
+            < self.target_batch_size
+            <= samples_accumulated + others
+        )
+        if epoch != previous.epoch or reaches_target:
+            self._wake_soon()
+        elif not self._publish_due:
+            self._publish_due = True
+            self._wake_soon(delay=self.min_refresh_period)
 
     def set_drifted(self, drifted: bool) -> None:
         """Tell the others whether this peer's parameters may differ from theirs (published now)."""
         if drifted != self.drifted:
             self.drifted = drifted
             self.local = dataclasses.replace(self.local, drifted=drifted)
-            self._wake.set()
+            self._wake_soon()
+
+    def _wake_soon(self, delay: float = 0.0) -> None:
+        """Wake the publishing task (now, or after ``delay`` s) from any thread.
+
+        ``asyncio.Event`` is not thread-safe (setting it from the training thread raced with the
+        loop: "deque mutated during iteration", and the loop slept on): the wake-up goes
+        through ``call_soon_threadsafe``, at most one at a time.
+        """
+        loop = self._loop
+        if loop is None or (self._wake_requested and delay == 0.0):
+            return  # not started yet (the task publishes first thing), or a wake-up is coming
+        if delay == 0.0:
+            self._wake_requested = True
+        try:
+            loop.call_soon_threadsafe(self._on_wake_request, delay)
+        except RuntimeError:  # the loop is closed: shutting down
+            pass
+
+    def _on_wake_request(self, delay: float) -> None:
+        if delay > 0.0:
+            assert self._loop is not None
+            self._loop.call_later(delay, self._on_wake_request, 0.0)
+            return
+        self._wake_requested = False
+        self._wake.set()
 
     def others_drifted(self, epoch: int) -> bool:
         """Some other peer at ``epoch`` or one behind reports drifted parameters."""
@@ -341,21 +391,35 @@ class ProgressTracker:
     async def _run(self) -> None:
         published: LocalProgress | None = None
         while True:
+            self._wake.clear()  # a wake-up while we publish and fetch runs the loop once more
             try:
                 if self.local != published:
                     published = self.local
+                    self._publish_due = False
                     await self.node.store(
                         self.key,
                         published.to_dict(),
                         get_dht_time() + self.metadata_expiration,
                         subkey=self._subkey,
                     )
-                self._others = await self._fetch()
+                others = await self._fetch()
+                samples: dict[int, int] = {}
+                for record in others:
+                    samples[record.epoch] = (
+                        samples.get(record.epoch, 0) + record.samples_accumulated
+                    )
+                self._others, self._others_samples = others, samples
+                if self.fetched_at is None:
+                    logger.debug(
+                        "first look at the collaboration: %d other peers, epoch %d",
+                        len(others),
+                        max((r.epoch for r in others), default=0),
+                    )
+                self.fetched_at = get_dht_time()
                 self._fetched.set()
             except (TransientError, KitError) as e:  # keep tracking: the DHT recovers
                 logger.debug("progress update failed: %s", e)
             delay = max(0.0, self.global_progress.next_fetch_time - get_dht_time())
-            self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), min(delay, self.max_refresh_period))
             except asyncio.TimeoutError:

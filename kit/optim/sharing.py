@@ -34,12 +34,15 @@ from kit.optim.accumulation import GradientAccumulator
 from kit.optim.progress import ProgressTracker
 from kit.optim.state import StateServer, StateSnapshot, download_state, find_donors
 from kit.optim.stepping import InnerOptimizer
+from kit.runtime import Runtime
 
 logger = logging.getLogger(__name__)
 
 CATCH_UP_TIMEOUT = 60.0  # a background catch-up download gives up after this (drift is flagged)
 DONOR_POLL = 0.5  # s between looks for a donor of a recent enough state
+PROGRESS_LOOK_TIMEOUT = 5.0  # a joiner's look at the progress before its first step, at most
 CATCH_UP_TRIES = 5  # downloads trying to land on our epoch exactly, before leaving it to averaging
+MAX_FAST_FORWARD = 16  # further behind than this many epochs, a peer downloads the state first
 
 SnapshotFuture = concurrent.futures.Future[StateSnapshot | None]
 
@@ -62,6 +65,7 @@ class StateSharing:
     _extra: list[torch.Tensor]
     _in_step: bool
     _state_server: StateServer
+    _runtime: Runtime
     _prefetch: SnapshotFuture | None
     _catch_up: SnapshotFuture | None
     _catch_up_base: list[torch.Tensor]
@@ -98,14 +102,26 @@ class StateSharing:
                 snapshot = prefetch.result(timeout)
             except (KitError, KitTimeout, concurrent.futures.TimeoutError) as e:
                 logger.info("prefetching the state failed (%s): downloading it again", e)
-            if snapshot is not None and snapshot.epoch < self.tracker.global_progress.epoch - 1:
+            # A few epochs old is as good as a new download, which epochs shorter than a
+            # download overtake too: the first step joins the current epoch and catches up in
+            # the background (_fast_forward).
+            behind = self.tracker.global_progress.epoch - snapshot.epoch if snapshot else 0
+            if behind > MAX_FAST_FORWARD:
                 snapshot = None
         if snapshot is None:
             snapshot = self._download(timeout, only_if_shared=True).result(timeout + 30.0)
         if snapshot is None:
             logger.info("no other peer shares a state yet: keeping this peer's own")
             return False
+        # The first step must see where the collaboration is now: look while the state loads.
+        looked = self._runtime.call(
+            self.tracker.wait_for_update(PROGRESS_LOOK_TIMEOUT), return_future=True
+        )
         self._load_snapshot(snapshot, keep_accumulated=False)
+        try:
+            looked.result(PROGRESS_LOOK_TIMEOUT + 1.0)
+        except concurrent.futures.TimeoutError:
+            looked.cancel()  # the step goes on with the last view; the tracker keeps trying
         logger.info(
             "downloaded the state of epoch %d from peers in %.1f s",
             self.local_epoch,
@@ -222,9 +238,17 @@ class StateSharing:
                     await asyncio.sleep(DONOR_POLL)
                     continue
                 try:
-                    return await download_state(
+                    begun = loop.time()
+                    snapshot = await download_state(
                         node.peer, donors, self.run_id, timeout=deadline - loop.time()
                     )
+                    logger.debug(
+                        "state of epoch %d downloaded from %d donors in %.2f s",
+                        snapshot.epoch,
+                        len(donors),
+                        loop.time() - begun,
+                    )
+                    return snapshot
                 except StateDownloadFailed as e:
                     if loop.time() + 1.0 > deadline:
                         raise
