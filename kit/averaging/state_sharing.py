@@ -87,6 +87,12 @@ def tensor_from_bytes(header: TensorHeader, buffer: bytearray) -> torch.Tensor:
     return torch.frombuffer(buffer, dtype=dtype).reshape(header.shape).clone()
 
 
+def empty_tensor(header: TensorHeader) -> torch.Tensor:
+    """A tensor of ``header`` (validated) to receive its bytes into (through ``tensor_bytes``):
+    no copy afterwards and no zero-filling before (``receive_tensor(allocate=...)``)."""
+    return torch.empty(header.shape, dtype=_TORCH_DTYPES[header.dtype])
+
+
 # --- the donor --------------------------------------------------------------------------------
 
 

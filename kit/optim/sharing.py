@@ -226,6 +226,7 @@ class StateSharing:
             # on keeps serving the snapshot it started with); retry until the deadline.
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout
+            failures = 0
             while True:
                 donors = await find_donors(node, node.peer, self.run_id)
                 if only_if_running and not any(d.epoch > 0 for d in donors):
@@ -253,7 +254,11 @@ class StateSharing:
                     if loop.time() + 1.0 > deadline:
                         raise
                     logger.info("state download failed (%s); trying again", e)
-                    await asyncio.sleep(0.5)
+                    # Once at once (the donors moved on to a newer state: ask again), then
+                    # with a pause (they are gone or failing: let the DHT catch up).
+                    failures += 1
+                    if failures > 1:
+                        await asyncio.sleep(0.5)
 
         future: concurrent.futures.Future[StateSnapshot | None] = self.dht.run_coroutine(
             fetch, return_future=True

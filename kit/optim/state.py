@@ -32,7 +32,7 @@ from typing import Any
 import msgpack
 import torch
 
-from kit.averaging.state_sharing import tensor_bytes, tensor_from_bytes, tensor_header
+from kit.averaging.state_sharing import empty_tensor, tensor_bytes, tensor_header
 from kit.dht.node import DHTNode, get_dht_time
 from kit.dht.validation import Ed25519SignatureValidator
 from kit.errors import (
@@ -197,6 +197,10 @@ class StateServer:
         if snapshot is not None and not snapshot.digest:
             # hashlib releases the GIL: hashing in a thread keeps the event loop (and training) going
             await asyncio.get_running_loop().run_in_executor(None, snapshot.ensure_digest)
+            if self.snapshot is not snapshot:
+                # A new one was published while we hashed (epochs can be that short): the
+                # downloader asks for this one next, keep it (publish kept only hashed ones).
+                self.previous = snapshot
         while (raw := await stream.receive_message(max_size=1024 * 1024, timeout=30.0)) is not None:
             request = msgpack.unpackb(raw, raw=False)
             if snapshot is None:
@@ -354,7 +358,11 @@ async def _download_tensors(
             for p, idx in shares.items()
             if idx
         }
-        await asyncio.wait(jobs.values(), timeout=max(0.0, _left(loop, deadline)))
+        try:
+            await asyncio.wait(jobs.values(), timeout=max(0.0, _left(loop, deadline)))
+        finally:  # cancelled (the joiner shuts down): the jobs are ours to stop
+            for job in jobs.values():
+                job.cancel()
         for donor, job in jobs.items():
             if not job.done():
                 job.cancel()
@@ -450,17 +458,23 @@ async def _fetch_tensors(
         await stream.send_message(
             msgpack.packb({"digest": digest, "tensors": indices}), timeout=10.0
         )
+        received_into: list[torch.Tensor] = []
+
+        def allocate(header: TensorHeader) -> memoryview:
+            received_into.append(empty_tensor(header))  # the bytes land in the tensor itself
+            return tensor_bytes(received_into[-1])
+
         for index in indices:
             received = await receive_tensor(
                 stream,
                 limits=limits,
                 expected=headers[index],
                 timeout=max(0.1, min(30.0, _left(loop, deadline))),
+                allocate=allocate,
             )
             if received is None:
                 raise RemoteProtocolError("donor ended the stream early")
-            header, buffer = received
-            out[index] = tensor_from_bytes(header, buffer)
+            out[index] = received_into.pop()
     except InvalidTensor as e:
         raise RemoteProtocolError(f"donor sent a wrong tensor: {e}") from e
     finally:

@@ -12,6 +12,7 @@ Torch-free on purpose: kit.averaging turns the buffer into a tensor with ``torch
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kit.errors import InvalidTensor, RemoteProtocolError
@@ -115,8 +116,13 @@ async def receive_tensor(
     limits: TensorLimits | None = None,
     expected: TensorHeader | None = None,
     timeout: float | None = None,
-) -> tuple[TensorHeader, bytearray] | None:
+    allocate: Callable[[TensorHeader], memoryview] | None = None,
+) -> tuple[TensorHeader, bytearray | memoryview] | None:
     """Receive one tensor sent by :func:`send_tensor`; ``None`` if the stream ended instead.
+
+    ``allocate(header)`` gives the writable buffer of ``header.nbytes`` bytes the payload is read
+    into, once the header is validated (e.g. a tensor's own memory: no copy afterwards, and no
+    zero-filling before, which costs as much as the copy); default: a new ``bytearray``.
 
     Raises:
         InvalidTensor: forbidden dtype, bad shape, too large, or not the ``expected`` one.
@@ -127,8 +133,10 @@ async def receive_tensor(
         return None
     header = TensorHeader.from_dict(wire.unpackb(raw, "tensor header"), limits or TensorLimits())
     header.check_expected(expected)
-    buffer = bytearray(header.nbytes)
-    view = memoryview(buffer)
+    buffer = bytearray(header.nbytes) if allocate is None else allocate(header)
+    view = memoryview(buffer).cast("B")
+    if len(view) != header.nbytes or view.readonly:
+        raise ValueError(f"allocate() gave {len(view)} bytes for a tensor of {header.nbytes}")
     received = 0
     receive_into = getattr(stream, "receive_message_into", None)  # kit.p2p streams: no extra copy
     while received < header.nbytes:

@@ -150,3 +150,28 @@ async def test_in_sync_donors_are_preferred_and_ties_broken_the_same_everywhere(
     for order in (halves, halves[::-1]):
         received = await download_state(joiner, order, "run", timeout=20)
         assert received.digest == min(str(ours.digest), str(own.digest))
+
+
+async def test_a_snapshot_replaced_while_it_is_hashed_is_still_served() -> None:
+    """Epochs can be shorter than hashing a state: the donor publishes a new snapshot while it
+    computes the digest a joiner asked for; the joiner's download of that digest must work."""
+    network = MemoryNetwork()
+    joiner = await network.create_peer()
+    peer = await network.create_peer()
+    server = StateServer(peer, NoDHT(), "run", peer.identity)  # type: ignore[arg-type]
+    asked = StateSnapshot.capture(4, training_state(), digest=False)
+    newer_state = training_state()
+    newer_state["params"][0] = newer_state["params"][0] * 2
+    newer = StateSnapshot.capture(5, newer_state, digest=False)
+    hash_it = asked.ensure_digest
+
+    def publish_meanwhile() -> str:
+        server.snapshot = newer  # what publish() does, from the training thread
+        return hash_it()
+
+    asked.ensure_digest = publish_meanwhile  # type: ignore[method-assign]
+    server.snapshot = asked
+    joiner.add_address(peer.peer_id, peer.get_visible_addresses()[0])
+    received = await download_state(joiner, [Donor(peer.peer_id, 4)], "run", timeout=10)
+    assert received.epoch == 4 and received.digest == asked.digest
+    assert all(torch.equal(a, b) for a, b in zip(received.tensors, asked.tensors, strict=True))

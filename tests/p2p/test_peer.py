@@ -316,6 +316,28 @@ async def test_wrong_tensor_is_rejected_before_allocation() -> None:
         assert len(errors) == 3
 
 
+async def test_tensor_is_received_into_the_buffer_the_caller_allocates() -> None:
+    async with peers(2) as (a, b):
+        buffers: list[bytearray] = []
+        got: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+
+        def allocate(header: TensorHeader) -> memoryview:
+            buffers.append(bytearray(b"x" * header.nbytes))  # not zeroed: every byte is written
+            return memoryview(buffers[-1])
+
+        async def tensor_sink(stream: StreamAPI) -> None:
+            got.set_result(await receive_tensor(stream, timeout=5, allocate=allocate))
+
+        a.add_stream_handler("tensor", tensor_sink)
+        payload = bytes(range(256)) * 4096  # 1 MiB: several frames
+        header = TensorHeader("uint8", (len(payload),))
+        stream = await b.open_stream(a.peer_id, "tensor", timeout=5)
+        await send_tensor(stream, header, payload, timeout=5)
+        received = await asyncio.wait_for(got, 5)
+        assert received is not None and received[0] == header  # type: ignore[index]
+        assert received[1].obj is buffers[0] and bytes(buffers[0]) == payload  # type: ignore[index]
+
+
 # --- real processes ------------------------------------------------------------------------
 
 
