@@ -24,6 +24,7 @@ Set ``KIT_LOG_LEVEL=DEBUG`` to have the peers log into ``peer_<i>.log`` in the r
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
@@ -59,6 +60,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--netns-prefix", default="", help="run peer i in netns <prefix><i>")
     parser.add_argument("--run-dir-base", default="/tmp/kit-bench/runs")
     parser.add_argument("--wait-quiet-s", type=float, default=120.0)
+    parser.add_argument(
+        "--no-tcp-bound",
+        dest="tcp_bound",
+        action="store_false",
+        help="skip plain TCP moving the same bytes after each round (vs_tcp_bound)",
+    )
     parser.add_argument("--tag", default="")
     parser.add_argument("--role", default="launcher", choices=["launcher", "peer"])
     parser.add_argument("--index", type=int, default=0)
@@ -117,6 +124,124 @@ def fill_values(args: argparse.Namespace, index: int, numel: int) -> Any:
     return torch.randn(numel, generator=torch.Generator().manual_seed(1000 + index))
 
 
+# --- plain TCP moving the same bytes between the same processes ------------------------------
+
+WIRE_BYTES_PER_ELEMENT = {
+    "none": 4,
+    "fp16": 2,
+    "scaledfp16": 2,
+    "uniform8bit": 1,
+    "quantile8bit": 1,
+    "blockwise8bit": 1,
+}
+
+
+class _Inbox(asyncio.BufferedProtocol):
+    """Plain TCP, the fastest way asyncio offers: the kernel writes into the final buffer."""
+
+    def __init__(self, mesh: TcpMesh) -> None:
+        self.mesh = mesh
+        self.hello = bytearray(4)  # the dialer's index comes first
+        self.view = memoryview(self.hello)
+        self.spare = bytearray(64)
+        self.filled = 0
+        self.done: asyncio.Future[None] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def expect(self, view: memoryview) -> asyncio.Future[None]:
+        self.view, self.filled = view, 0
+        self.done = asyncio.get_running_loop().create_future()
+        return self.done
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self.filled == len(self.view):  # nothing expected now: never an empty buffer
+            return memoryview(self.spare)
+        return self.view[self.filled :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.filled == len(self.view):
+            raise ConnectionError(f"{nbytes} bytes arrived outside a round")
+        self.filled += nbytes
+        if self.filled < len(self.view):
+            return
+        if self.view.obj is self.hello:
+            self.mesh.accepted(int.from_bytes(self.hello, "big"), self)
+        elif self.done is not None and not self.done.done():
+            self.done.set_result(None)
+
+
+class TcpMesh:
+    """Plain TCP between the same processes, moving the bytes of kit's round (``vs_tcp_bound``).
+
+    A butterfly all-reduce of ``M`` wire bytes per peer sends each other peer ``M/N`` (the part
+    it reduces) and gets ``M/N`` back (the average), and the same the other way: every pair of
+    peers exchanges ``2M/N`` bytes each way. Here each peer's own asyncio loop (one thread, the
+    loop kit uses: uvloop when installed), with one connection to every other peer made once,
+    sends exactly that to every other peer at once, the receivers reading straight into their
+    buffers (``p2p_throughput.py``'s plain TCP): no framing, no reduction, no codec, and no
+    waiting for a part's sum before its average goes back.
+    """
+
+    def __init__(self, run_dir: str, index: int, n: int, host: str, timeout: float) -> None:
+        from kit.runtime import Runtime
+
+        self.runtime = Runtime("tcp-bound")  # a loop of its own: kit's stays idle meanwhile
+        self.run_dir, self.index, self.n, self.host = run_dir, index, n, host
+        self.inboxes: dict[int, _Inbox] = {}
+        self._received: list[asyncio.Future[None]] = []
+        self.runtime.call(self._connect(timeout), timeout=timeout + 5)
+
+    def accepted(self, peer: int, inbox: _Inbox) -> None:
+        self.inboxes[peer] = inbox
+
+    async def _connect(self, timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(lambda: _Inbox(self), self.host, 0)
+        port = server.sockets[0].getsockname()[1]
+        write_json(os.path.join(self.run_dir, f"tcp_{self.index}.json"), [self.host, port])
+        for j in range(self.index):  # dial the lower indices; the higher ones dial us
+            path = os.path.join(self.run_dir, f"tcp_{j}.json")
+            await asyncio.to_thread(wait_for, [path], timeout, f"peer {j}'s TCP port")
+            host, peer_port = read_json(path)
+            transport, inbox = await loop.create_connection(lambda: _Inbox(self), host, peer_port)
+            transport.write(self.index.to_bytes(4, "big"))
+            inbox.view, inbox.filled = memoryview(inbox.hello), 4  # no hello from this side
+            self.inboxes[j] = inbox
+        give_up = loop.time() + timeout
+        while len(self.inboxes) < self.n - 1 and loop.time() < give_up:
+            await asyncio.sleep(0.005)
+        server.close()  # (asyncio and uvloop set TCP_NODELAY themselves)
+
+    def round(self, payload: memoryview, inbox: dict[int, bytearray], timeout: float) -> None:
+        """Send ``payload`` to every other peer and receive as much from each (all at once)."""
+
+        async def arm() -> list[asyncio.Future[None]]:
+            return [self.inboxes[j].expect(memoryview(inbox[j])) for j in self.inboxes]
+
+        async def exchange() -> None:
+            for peer in self.inboxes.values():
+                peer.transport.write(payload)  # type: ignore[attr-defined]
+            await asyncio.gather(*self._received)
+            self._received = await arm()  # before anyone can begin the next round
+
+        self.runtime.call(exchange(), timeout=timeout)
+
+    def arm(self, inbox: dict[int, bytearray], timeout: float) -> None:
+        """Where each peer's bytes go (call before the barrier of the first round)."""
+
+        async def arm() -> list[asyncio.Future[None]]:
+            return [self.inboxes[j].expect(memoryview(inbox[j])) for j in self.inboxes]
+
+        self._received = self.runtime.call(arm(), timeout=timeout)
+
+    def close(self) -> None:
+        for inbox in self.inboxes.values():
+            inbox.transport.close()
+        self.runtime.shutdown()
+
+
 def run_peer(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     sys.path.insert(0, ROOT)
@@ -165,6 +290,13 @@ def run_peer(args: argparse.Namespace) -> None:
         compression=make_codec(args.compression),
     )
     result["averager_start_s"] = round(time.perf_counter() - t0, 3)
+    mesh = TcpMesh(run_dir, i, n, host, args.barrier_timeout) if args.tcp_bound else None
+    # What each pair of peers exchanges each way in kit's round: 2 parts of M/N wire bytes.
+    pair_bytes = 2 * (numel * WIRE_BYTES_PER_ELEMENT[args.compression] // n)
+    payload = memoryview(bytearray(b"\1" * pair_bytes))
+    inbox = {j: bytearray(b"\0" * pair_bytes) for j in range(n) if j != i}
+    if mesh is not None:
+        mesh.arm(inbox, args.barrier_timeout)
     try:
         barrier(run_dir, "ready", i, n, args.barrier_timeout)
         for r in range(args.rounds):
@@ -172,6 +304,7 @@ def run_peer(args: argparse.Namespace) -> None:
                 tensors[0].copy_(own)
             barrier(run_dir, f"r{r}", i, n, args.barrier_timeout)
             record: dict[str, Any] = {"round": r, "wall_start": time.time()}
+            cpu0 = os.times()
             t0 = time.perf_counter()
             try:
                 outcome = averager.step(timeout=args.step_timeout)
@@ -179,7 +312,13 @@ def run_peer(args: argparse.Namespace) -> None:
             except Exception as e:  # the benchmark reports every failure (AveragingFailed...)
                 outcome, error = None, repr(e)
             total = time.perf_counter() - t0
-            record.update(ok=error is None, total_s=round(total, 4))
+            cpu1 = os.times()
+            record.update(
+                ok=error is None,
+                total_s=round(total, 4),
+                user_s=round(cpu1.user - cpu0.user, 3),
+                sys_s=round(cpu1.system - cpu0.system, 3),
+            )
             if outcome is not None:
                 record.update(
                     matchmaking_s=round(outcome.matchmaking_time, 4),
@@ -198,6 +337,15 @@ def run_peer(args: argparse.Namespace) -> None:
             else:
                 record.update(matchmaking_s=round(total, 4), allreduce_s=None, error=error)
                 result["errors"].append(error)
+            if mesh is not None:  # right after kit's round, in the same conditions
+                barrier(run_dir, f"tcp{r}", i, n, args.barrier_timeout)
+                record["tcp_wall_start"] = time.time()
+                cpu0, t0 = os.times(), time.perf_counter()
+                mesh.round(payload, inbox, args.allreduce_timeout)
+                record["tcp_s"] = round(time.perf_counter() - t0, 4)
+                cpu1 = os.times()
+                record["tcp_user_s"] = round(cpu1.user - cpu0.user, 3)
+                record["tcp_sys_s"] = round(cpu1.system - cpu0.system, 3)
             result["rounds"].append(record)
         result["statistics"] = {
             k: v for k, v in averager.statistics().items() if not isinstance(v, dict)
@@ -210,6 +358,8 @@ def run_peer(args: argparse.Namespace) -> None:
             barrier(run_dir, "done", i, n, 60)
         except TimeoutError:
             pass
+        if mesh is not None:
+            mesh.close()
         t0 = time.perf_counter()
         averager.shutdown()
         dht.shutdown()
@@ -458,12 +608,23 @@ def run_launcher(args: argparse.Namespace, argv: list[str]) -> int:
                 "n_unaveraged_elems": [x.get("n_unaveraged") for x in records],
                 "reported_full": [x.get("reported_full") for x in records],
                 "per_peer_total_s": [x["total_s"] for x in records],
+                "tcp_s": max((x.get("tcp_s") or 0) for x in records) or None,
+                # CPU seconds of all peers (user, system): kit's round, then TCP's
+                "cpu_user_sys_s": [
+                    round(sum(x.get(k) or 0 for x in records), 3)
+                    for k in ("user_s", "sys_s", "tcp_user_s", "tcp_sys_s")
+                ],
             }
         )
     first = per_round[0] if per_round else None
     steady = [x for x in per_round[1:] if x["ok"]]
     steady_round = summary([x["round_s"] for x in steady])
     steady_allreduce = summary([x["allreduce_s"] for x in steady])
+    steady_tcp = summary([x["tcp_s"] for x in steady])
+    # Per round, kit's all-reduce phase over TCP right after it (then the median): the two
+    # share the machine's load of that moment.
+    ratios = [x["allreduce_s"] / x["tcp_s"] for x in steady if x["tcp_s"]]
+    round_ratios = [x["round_s"] / x["tcp_s"] for x in steady if x["tcp_s"]]
     cpu_rounds = None
     windows = [w for w in (sampler.window(x["wall_start"], x["wall_end"]) for x in steady) if w]
     if windows:
@@ -505,6 +666,11 @@ def run_launcher(args: argparse.Namespace, argv: list[str]) -> int:
         "steady_round_s": steady_round,
         "steady_matchmaking_s": summary([x["matchmaking_s"] for x in steady]),
         "steady_allreduce_s": steady_allreduce,
+        "steady_tcp_same_bytes_s": steady_tcp,
+        "tcp_bytes_per_pair_each_way": 2
+        * (nbytes // 4 * WIRE_BYTES_PER_ELEMENT[args.compression] // n),
+        "vs_tcp_bound": round(statistics.median(ratios), 3) if ratios else None,
+        "round_vs_tcp_bound": round(statistics.median(round_ratios), 3) if round_ratios else None,
         "max_abs_err": max((x["max_abs_err"] for x in per_round), default=None),
         "rmse_max": max((x["rmse_max_over_peers"] for x in per_round), default=None),
         # whole parts left at a peer's own values; a few equal elements can happen by rounding
