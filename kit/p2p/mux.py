@@ -120,6 +120,9 @@ class SendFrame:
 Event = StreamOpened | DataReceived | CreditReceived | StreamResetByPeer | GoAway | SendFrame
 
 
+_DATA = int(FrameType.DATA)
+
+
 class _StreamRecord:
     __slots__ = ("consumed_unacked", "received_unconsumed", "send_credit", "state")
 
@@ -197,12 +200,10 @@ class Mux:
                 f"{size} bytes exceed credit {record.send_credit} or frame size"
             )
         record.send_credit -= size
-        flags = (DataFlags.END_MESSAGE if end_message else 0) | (
-            DataFlags.END_STREAM if end_stream else 0
-        )
+        flags = (wire.END_MESSAGE if end_message else 0) | (wire.END_STREAM if end_stream else 0)
         if end_stream:
             self._transition(stream_id, record, StreamEvent.LOCAL_END)
-        return (wire.HEADER.pack(FrameType.DATA, int(flags), stream_id), *parts)
+        return (wire.HEADER.pack(_DATA, flags, stream_id), *parts)
 
     def close_frame(self, stream_id: int) -> bytes | None:
         """END_STREAM as an empty DATA frame (half-close), or None if already closed/reset."""
@@ -319,15 +320,12 @@ class Mux:
                 f"stream {frame.stream_id}: {record.received_unconsumed} unconsumed bytes exceed "
                 f"the window of {self.limits.receive_window}"
             )
-        end_stream = bool(frame.flags & DataFlags.END_STREAM)
+        end_stream = bool(frame.flags & wire.END_STREAM)
         if end_stream:
             self._transition(frame.stream_id, record, StreamEvent.REMOTE_END)
         return [
             DataReceived(
-                frame.stream_id,
-                frame.payload,
-                bool(frame.flags & DataFlags.END_MESSAGE),
-                end_stream,
+                frame.stream_id, frame.payload, bool(frame.flags & wire.END_MESSAGE), end_stream
             )
         ]
 
