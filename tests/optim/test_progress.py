@@ -1,13 +1,21 @@
-"""The progress tracker's local side: samples per second (hivemind's ``performance_ema``) and the
-records it reduces to the collaboration's progress (pure: ``now`` is given)."""
+"""The progress tracker: its local side (samples per second, hivemind's ``performance_ema``), the
+records it reduces to the collaboration's progress (pure: ``now`` is given), and reports from the
+training thread, which reach the others when they matter, and only then (a DHT store costs ~2 ms
+of CPU over both peers: too much for every 15 ms step)."""
 
 from __future__ import annotations
 
 import math
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
-from kit.optim.progress import LocalProgress, PerformanceEMA, aggregate
+import kit
+from kit.optim.progress import LocalProgress, PerformanceEMA, ProgressTracker, aggregate
+from kit.runtime import Runtime
 
 
 def test_performance_ema_smooths_the_rate_between_reports() -> None:
@@ -28,3 +36,129 @@ def test_global_progress_counts_samples_at_the_newest_epoch_only() -> None:
     # 10 reported + 2 s x 5/s since the report: 20 of 40; 10 samples/s from both peers.
     assert progress.eta_next_epoch == pytest.approx(2.0)
     assert aggregate([], 40, now=0.0).eta_next_epoch == math.inf
+
+
+# --- the tracker on real DHT peers -------------------------------------------------------------
+
+SLOW_REFRESH = {"min_refresh_period": 5.0, "max_refresh_period": 10.0}  # nothing periodic in time
+
+
+@pytest.fixture
+def dhts() -> Iterator[tuple[kit.DHT, kit.DHT]]:
+    first = kit.DHT(host="127.0.0.1", client_mode=False)
+    second = kit.DHT(initial_peers=first.get_visible_maddrs(), host="127.0.0.1", client_mode=False)
+    yield first, second
+    second.shutdown()
+    first.shutdown()
+
+
+def tracker(dht: kit.DHT, target: int = 1000, **options: Any) -> ProgressTracker:
+    async def start(_: Any, node: Any) -> ProgressTracker:
+        started = ProgressTracker(
+            node, "run", target, identity=node.peer.identity, client_mode=False, **options
+        )
+        started.start()
+        return started
+
+    result: ProgressTracker = dht.run_coroutine(start)
+    return result
+
+
+def stop(dht: kit.DHT, *trackers: ProgressTracker) -> None:
+    for one in trackers:
+
+        async def shutdown(_: Any, node: Any, one: ProgressTracker = one) -> None:
+            await one.shutdown()
+
+        dht.run_coroutine(shutdown)
+
+
+def seen_by(dht: kit.DHT, observer: ProgressTracker, within: float) -> list[tuple[int, int]]:
+    """(epoch, samples) of the others' records, once a fresh fetch shows any (bounded)."""
+    give_up = time.monotonic() + within
+    while True:
+
+        async def look(_: Any, node: Any) -> Any:
+            return await observer.wait_for_update(1.0)
+
+        dht.run_coroutine(look)
+        records = [(r.epoch, r.samples_accumulated) for r in observer._others]
+        if records or time.monotonic() > give_up:
+            return records
+        time.sleep(0.05)
+
+
+def counted_stores(dht: kit.DHT, key: str) -> list[float]:
+    """Times of the stores of ``key`` by this DHT's node (its method, wrapped)."""
+    node, times = dht.node, []
+    store = node.store
+
+    async def counting(k: Any, *args: Any, **kwargs: Any) -> Any:
+        if k == key:
+            times.append(time.monotonic())
+        return await store(k, *args, **kwargs)
+
+    node.store = counting  # type: ignore[method-assign]
+    return times
+
+
+@pytest.mark.sockets
+def test_a_new_epoch_reported_from_another_thread_wakes_the_loop_at_once() -> None:
+    """asyncio.Event.set() from the training thread did not wake the loop (and could raise
+    "deque mutated during iteration"): the new epoch waited for the next refresh, 10 s here.
+    A loop of its own, so that nothing else wakes it."""
+    runtime = Runtime("progress-test")
+    dht = kit.DHT(host="127.0.0.1", client_mode=False, runtime=runtime)
+    stores = counted_stores(dht, "run_progress")
+    ours = tracker(dht, **SLOW_REFRESH)
+    try:
+        give_up = time.monotonic() + 5.0
+        while not stores and time.monotonic() < give_up:  # the start is published
+            time.sleep(0.01)
+        assert len(stores) == 1
+        reporter = threading.Thread(target=ours.report_local_progress, args=(1, 0))
+        reporter.start()
+        reporter.join()
+        reported = time.monotonic()
+        while len(stores) == 1 and time.monotonic() < reported + 2.0:
+            time.sleep(0.01)
+        assert len(stores) == 2 and stores[1] - reported < 1.0
+    finally:
+        stop(dht, ours)
+        dht.shutdown()
+        runtime.shutdown()
+
+
+@pytest.mark.sockets
+def test_sample_reports_are_batched(dhts) -> None:
+    first, second = dhts
+    stores = counted_stores(first, "run_progress")
+    ours = tracker(first, target=1000, min_refresh_period=0.3, max_refresh_period=10.0)
+    theirs = tracker(second, **SLOW_REFRESH)
+    try:
+        assert seen_by(second, theirs, within=5.0) == [(0, 0)]
+        before = len(stores)
+        for samples in range(1, 301):  # 300 steps of one sample in ~0.6 s: below the target
+            ours.report_local_progress(0, samples)
+            time.sleep(0.002)
+        time.sleep(0.6)  # the last report goes out within min_refresh_period
+        assert 1 <= len(stores) - before <= 6, [t - stores[0] for t in stores]
+        assert seen_by(second, theirs, within=0.0) == [(0, 300)]
+    finally:
+        stop(first, ours)
+        stop(second, theirs)
+
+
+@pytest.mark.sockets
+def test_samples_that_reach_the_target_are_published_at_once(dhts) -> None:
+    first, second = dhts
+    ours, theirs = tracker(first, target=1000, **SLOW_REFRESH), tracker(second, **SLOW_REFRESH)
+    try:
+        assert seen_by(second, theirs, within=5.0) == [(0, 0)]
+        ours.report_local_progress(0, 500)  # below the target: with the next refresh (5 s)
+        ours.report_local_progress(0, 1000)  # reaches it: the others must know now
+        time.sleep(0.3)
+        assert seen_by(second, theirs, within=0.0) == [(0, 1000)]
+    finally:
+        stop(first, ours)
+        stop(second, theirs)
