@@ -240,3 +240,4 @@ class Handout:
             "kit_version": kit.__version__,
             "join_notebook": JOIN_NOTEBOOK_PATH,
         }
+

@@ -79,7 +79,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.numpy()).cast("B")  # type: ignore[arg-type]
 
 
-def tensor_from_bytes(header: TensorHeader, buffer: bytearray) -> torch.Tensor:
+def tensor_from_bytes(header: TensorHeader, buffer: bytearray | memoryview) -> torch.Tensor:
     """A new tensor of ``header``'s dtype and shape from received bytes (already validated)."""
     dtype = _TORCH_DTYPES[header.dtype]
     if header.numel == 0:
