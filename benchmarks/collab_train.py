@@ -24,6 +24,7 @@ import compileall
 import json
 import logging
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -156,10 +157,18 @@ def window(events: list[list[float]], t0: float, t1: float) -> dict[str, float]:
     gaps = [b[0] - a[2] for a, b in zip(inside, inside[1:], strict=False)] + [
         e[2] - e[1] for e in inside
     ]
+    in_step = sorted(e[2] - e[1] for e in inside)
+    between = sorted(b[0] - a[2] for a, b in zip(inside, inside[1:], strict=False))
     return {
         "samples": len(inside),
         "epochs_advanced": (inside[-1][3] - inside[0][3]) if inside else 0,
         "fwd_bwd_s": compute,
+        "opt_step_s": sum(in_step),  # inside opt.step() + zero_grad()
+        "between_steps_s": sum(between),  # the script's loop: logging the step
+        "step_ms": [
+            round(1000 * statistics.median(values), 2) if values else None
+            for values in (sorted(e[1] - e[0] for e in inside), in_step, between)
+        ],
         "longest_stall_s": max(gaps, default=0.0),
     }
 
@@ -318,6 +327,11 @@ def main() -> None:
         "epochs_advanced": min(w["epochs_advanced"] for w in windows),
         "fraction_outside_fwd_bwd": round(1 - sum(w["fwd_bwd_s"] for w in windows) / wall, 3),
         "longest_stall_s": round(max(w["longest_stall_s"] for w in windows), 2),
+        # where the time outside forward/backward went (fractions of the wall time), and each
+        # peer's median forward/backward, opt.step() and time between steps (ms)
+        "outside_in_opt_step": round(sum(w["opt_step_s"] for w in windows) / wall, 3),
+        "outside_between_steps": round(sum(w["between_steps_s"] for w in windows) / wall, 3),
+        "median_fwd_bwd_step_between_ms": [w["step_ms"] for w in windows],
     }
     if late_result is not None:
         result["late_join"] = late_result
