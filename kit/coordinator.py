@@ -484,7 +484,9 @@ def add_command(subparsers: Any) -> None:
     parser.add_argument("--tls-key", default=None, help="... and this private key")
     parser.add_argument("--state-dir", default="coordinator", help="keys, leaderboard, checkpoints")
     parser.add_argument(
-        "--tokenizer-dir", default=None, help="tokenizer folder to serve (default: tokenizer.output_dir)"
+        "--tokenizer-dir",
+        default=None,
+        help="tokenizer folder to serve (default: tokenizer.output_dir)",
     )
     parser.add_argument(
         "--shard-tokens",
