@@ -1,9 +1,11 @@
 """One averaging round of ``kit.Optimizer``, tagged with its epoch, and what its result means.
 
-Holds :func:`average_at_epoch` (blocking: form a group with the peers at the same epoch and
-all-reduce; safe to call from the optimizer's background thread with ``delay_grad_averaging``),
-:class:`RoundOutcome` and :func:`group_bits`. It does not hold the averager (``kit.averaging``)
-nor decides when a round is due (``kit.optim.progress``, ``kit.optim.optimizer``).
+Holds :class:`GradientRounds` (the gradient averager's driver: the mean gradient in, a round,
+the average out to the inner optimizer, round listeners), :func:`average_at_epoch` (blocking:
+form a group with the peers at the same epoch and all-reduce; safe to call from the optimizer's
+background thread with ``delay_grad_averaging``), :class:`RoundOutcome` (judged for the epoch
+machine, ``kit.optim.epochs``) and :func:`group_bits`. It does not hold the averager
+(``kit.averaging``) nor decides when a round is due (``kit.optim.epochs``).
 """
 
 from __future__ import annotations
@@ -12,11 +14,15 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 
 from kit.averaging.averager import DecentralizedAverager, RoundResult
 from kit.averaging.control import StepControl
 from kit.errors import AveragingFailed, KitError, KitTimeout, TransientError
+from kit.optim.accumulation import GradientAccumulator
+from kit.optim.epochs import Judgement
 from kit.optim.progress import ProgressTracker
+from kit.optim.stepping import InnerOptimizer
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +62,15 @@ class RoundOutcome:
     def failed_or_partial(self) -> bool:
         """Our gradient (or part of it) stayed local: it differs from everyone else's."""
         return self.result is None or not self.result.is_full
+
+    def judgement(self) -> Judgement:
+        """What the round means for the epoch machine (``kit.optim.epochs``)."""
+        return Judgement(
+            averaged=self.result is not None,
+            identical=self.identical,
+            failed_or_partial=self.failed_or_partial,
+            group_size=self.group_size,
+        )
 
     def log(self) -> None:
         if self.result is None:
@@ -128,3 +143,70 @@ def average_at_epoch(
             result.allreduce_time,
         )
     return result, expected
+
+
+class GradientRounds:
+    """One gradient round per epoch with ``averager`` (the optimizer's gradient averager).
+
+    Args:
+        averager: the gradient averager (float32 CPU buffers shaped as the parameters).
+        tracker: the progress tracker (who is at which epoch).
+        matchmaking_time, averaging_timeout: as ``kit.Optimizer``'s.
+        exact_gradients: every member of a full round gets bit-identical gradients (an exact
+            codec, or one shared lossy average: ``kit.optim.state_averaging``).
+    """
+
+    def __init__(
+        self,
+        averager: DecentralizedAverager,
+        tracker: ProgressTracker,
+        *,
+        matchmaking_time: float,
+        averaging_timeout: float,
+        exact_gradients: bool,
+    ) -> None:
+        self.averager = averager
+        self.tracker = tracker
+        self.matchmaking_time = matchmaking_time
+        self.averaging_timeout = averaging_timeout
+        self.exact_gradients = exact_gradients
+        self.listeners: list[Callable[[int, RoundResult], None]] = []
+
+    @property
+    def search_time(self) -> float:
+        """How long a round may look for its group (as average_at_epoch's search)."""
+        return 2 * self.matchmaking_time + 1.0
+
+    def take_mean(self, accumulated: GradientAccumulator) -> None:
+        """Put this epoch's mean gradient in the averager's buffers."""
+        with self.averager.get_tensors() as buffers:
+            accumulated.mean_gradient(buffers)
+
+    def give_to(self, inner: InnerOptimizer, *, reuse_grad_buffers: bool) -> None:
+        """Give the (averaged) buffers to the inner optimizer for its step."""
+        with self.averager.get_tensors() as buffers:
+            inner.set_gradients(buffers, reuse_grad_buffers=reuse_grad_buffers)
+
+    def average(
+        self, epoch: int, samples: int, *, last_group_size: int, exact_steps: bool
+    ) -> RoundOutcome:
+        """The round of ``epoch`` (blocking), weighted by ``samples``; listeners hear of it.
+
+        ``exact_steps``: this peer's optimizer steps bit-identically to the others'.
+        """
+        result, expected = average_at_epoch(
+            self.averager,
+            self.tracker,
+            epoch,
+            float(samples),
+            last_group_size=last_group_size,
+            matchmaking_time=self.matchmaking_time,
+            averaging_timeout=self.averaging_timeout,
+        )
+        if result is not None:
+            for listener in self.listeners:  # e.g. kit.metrics attests the group's weights
+                try:
+                    listener(epoch, result)
+                except Exception:  # a listener's bug must not break training
+                    logger.exception("a round listener failed")
+        return RoundOutcome(epoch, result, expected, self.exact_gradients and exact_steps)
