@@ -285,8 +285,8 @@ def test_a_peer_whose_round_failed_fetches_the_others_state() -> None:
 
 
 @pytest.mark.async_timeout(200)
-@pytest.mark.xfail(
-    strict=True,
+@pytest.mark.xfail(  # not strict: about 1 run in 6 the refreshes happen to land on one state
+    strict=False,
     reason="open bug (tests/netsim/test_churn.py): after a round that was partial for every member,"
     " nobody holds the collaboration's state; each refresh loads another drifted peer's state and a"
     " complete parameter round clears drift while Adam's moments differ",
