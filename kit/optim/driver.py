@@ -185,10 +185,10 @@ class EpochDriver:
             # thread while this peer computes the next epoch's batches; the result lands at a
             # safe point (one step stale, as in hivemind).
             def average() -> None:  # in the optimizer's thread
-                self._outcome = rounds.average(
+                self._outcome = outcome = rounds.average(
                     epoch, samples, last_group_size=last_group_size, exact_steps=self.exact_steps
                 )
-                rounds.give_to(self.inner, reuse_grad_buffers=False)
+                rounds.give_to(self.inner, outcome, reuse_grad_buffers=False)
 
             scheduler = self.sharing.scheduler
             self.inner.step(True, scheduler, reuse_grad_buffers=False, before=average)
@@ -208,7 +208,7 @@ class EpochDriver:
             self._fast_forward(forward)
             return
         self._outcome = outcome
-        rounds.give_to(self.inner, reuse_grad_buffers=self.reuse_grad_buffers)
+        rounds.give_to(self.inner, outcome, reuse_grad_buffers=self.reuse_grad_buffers)
         self.act(self.life.stepped())
         self._step_inner(apply=True)
 

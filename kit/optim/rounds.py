@@ -79,7 +79,7 @@ class RoundOutcome:
             )
         elif not self.result.is_full:
             logger.warning(
-                "averaging at epoch %d was partial: parts %s stay local",
+                "averaging at epoch %d was partial: parts %s step with a zero gradient",
                 self.epoch,
                 self.result.unaveraged_parts,
             )
@@ -182,9 +182,24 @@ class GradientRounds:
         with self.averager.get_tensors() as buffers:
             accumulated.mean_gradient(buffers)
 
-    def give_to(self, inner: InnerOptimizer, *, reuse_grad_buffers: bool) -> None:
-        """Give the (averaged) buffers to the inner optimizer for its step."""
+    def give_to(
+        self, inner: InnerOptimizer, outcome: RoundOutcome, *, reuse_grad_buffers: bool
+    ) -> None:
+        """Give the (averaged) buffers to the inner optimizer for its step.
+
+        Chunks the round left unaveraged (their aggregator failed, or the deadline came) step
+        with a zero gradient, not with this peer's own: when an aggregator dies every member
+        loses the same chunks, so all of them still step alike and stay bit-identical
+        (parameters and optimizer statistics). With their own gradients there each member would
+        step differently, and no member would hold the collaboration's state to copy.
+        """
+        result = outcome.result
         with self.averager.get_tensors() as buffers:
+            if result is not None and not result.is_full:
+                for part, specs in zip(result.report.parts, result.plan.parts, strict=False):
+                    for spec, peers in zip(specs, part.chunk_peers, strict=False):
+                        if not peers:
+                            result.plan.chunk_view(buffers, spec).zero_()
             inner.set_gradients(buffers, reuse_grad_buffers=reuse_grad_buffers)
 
     def average(

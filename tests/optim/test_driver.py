@@ -85,7 +85,9 @@ class Rounds:
     def take_mean(self, accumulated: GradientAccumulator) -> None:
         self.mean = [torch.full_like(p, 0.5) for p in accumulated.params]
 
-    def give_to(self, inner: InnerOptimizer, *, reuse_grad_buffers: bool) -> None:
+    def give_to(
+        self, inner: InnerOptimizer, outcome: RoundOutcome, *, reuse_grad_buffers: bool
+    ) -> None:
         inner.set_gradients(self.mean, reuse_grad_buffers=reuse_grad_buffers)
 
     def average(self, epoch: int, samples: int, **options: Any) -> RoundOutcome:

@@ -61,7 +61,7 @@ def test_failed_and_partial_rounds_are_logged(caplog: pytest.LogCaptureFixture) 
         RoundOutcome(6, Result(3), 3, True).log()  # type: ignore[arg-type]
     assert [r.getMessage() for r in caplog.records] == [
         "averaging failed at epoch 4: proceeding with the local gradients",
-        "averaging at epoch 5 was partial: parts (1,) stay local",
+        "averaging at epoch 5 was partial: parts (1,) step with a zero gradient",
     ]
 
 
@@ -137,5 +137,5 @@ def test_gradient_rounds_feed_the_optimizer_and_tell_listeners() -> None:
     assert heard == [(4, 2)] and outcome.expected == 2 and not outcome.exact
     assert rounds.search_time == 2.0
     inner = InnerOptimizer(torch.optim.SGD([param], lr=1.0), None, copies=False, delay=False)
-    rounds.give_to(inner, reuse_grad_buffers=False)
+    rounds.give_to(inner, outcome, reuse_grad_buffers=False)
     assert param.grad is not None and torch.equal(param.grad, torch.tensor([2.0, 4.0]))
