@@ -28,10 +28,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kit.dht.node import DHTNode, get_dht_time
-from kit.dht.validation import Ed25519SignatureValidator
+from kit.dht.node import DHTNode
 from kit.errors import ConfigError, KitError, KitUsageError
 from kit.metrics.records import MAX_PEER_ID_BYTES, MAX_SAMPLES, MAX_TOKEN_BYTES
+from kit.metrics.signed_store import SignedStore
 from kit.p2p.identity import Identity, PeerID
 
 logger = logging.getLogger(__name__)
@@ -163,21 +163,21 @@ class RoundAttestor:
                 f"RoundAttestor: min_interval={min_interval!r}, expiration={expiration!r} must "
                 "satisfy 0 < min_interval < expiration - help: keep the defaults"
             )
-        self.node = node
-        self.key = attestations_key(run_id)
         self.min_interval = min_interval
-        self.expiration = expiration
-        self._token = token
+        self._store = SignedStore(
+            node, attestations_key(run_id), identity, expiration=expiration, token=token
+        )
         self._peer_id = identity.peer_id.to_bytes()
-        validator = Ed25519SignatureValidator(identity)
-        node.add_validators([validator])
-        self._subkey = validator.local_owner
         self._rounds: collections.deque[AttestedRound] = collections.deque(maxlen=MAX_ROUNDS)
         self._recorded = 0  # rounds recorded so far (only the optimizer's thread adds)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
-        self.stores = 0  # successful stores (diagnostics, tests)
+
+    @property
+    def stores(self) -> int:
+        """Successful stores (diagnostics, tests)."""
+        return self._store.stores
 
     def start(self) -> None:
         if self._task is not None:
@@ -216,22 +216,10 @@ class RoundAttestor:
                 break
             members |= names
             rounds.append(attested)
-        token = None
-        if self._token is not None:
-            try:
-                token = self._token()
-            except Exception as e:  # the token source is the caller's code; keep publishing
-                logger.debug("no access token for the attestation record: %r", e)
-        return AttestationRecord(self._peer_id, token, tuple(reversed(rounds)))
+        return AttestationRecord(self._peer_id, self._store.token(), tuple(reversed(rounds)))
 
     async def publish(self) -> bool:
-        now = get_dht_time()
-        stored: bool = await self.node.store(
-            self.key, self.current().to_dict(), now + self.expiration, subkey=self._subkey
-        )
-        if stored:
-            self.stores += 1
-        return stored
+        return await self._store.store(self.current().to_dict())
 
     async def _run(self) -> None:
         assert self._wake is not None

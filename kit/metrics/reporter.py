@@ -25,10 +25,10 @@ from collections.abc import Callable
 from typing import Any
 
 from kit.dht.node import DHTNode, get_dht_time
-from kit.dht.validation import Ed25519SignatureValidator
 from kit.errors import ConfigError, KitError, KitUsageError
 from kit.metrics.attestations import AveragedRound, RoundAttestor
 from kit.metrics.records import ContributionRecord, metrics_key
+from kit.metrics.signed_store import SignedStore
 from kit.p2p.identity import Identity, PeerID
 
 logger = logging.getLogger(__name__)
@@ -88,13 +88,11 @@ class MetricsReporter:
                 "0 < period < expiration - help: keep the defaults (10 s and 300 s)"
             )
         self.node = node
-        self.key = metrics_key(run_id)
         self.period = period
         self.expiration = expiration
-        self._token = token
-        self._validator = Ed25519SignatureValidator(identity)
-        node.add_validators([self._validator])
-        self._subkey = self._validator.local_owner
+        self._store = SignedStore(
+            node, metrics_key(run_id), identity, expiration=expiration, token=token
+        )
         self.session = secrets.token_hex(8)
         self._record = ContributionRecord(
             peer_id=PeerID.from_public_key(identity.public_key).to_bytes(),
@@ -118,7 +116,15 @@ class MetricsReporter:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
-        self.stores = 0  # successful stores (for diagnostics and tests)
+
+    @property
+    def stores(self) -> int:
+        """Successful stores (diagnostics, tests)."""
+        return self._store.stores
+
+    @property
+    def key(self) -> str:
+        return self._store.key
 
     @property
     def record(self) -> ContributionRecord:
@@ -180,20 +186,11 @@ class MetricsReporter:
 
     async def publish(self) -> bool:
         """Store the current record now (on the runtime loop); True if a replica accepted it."""
-        token = None
-        if self._token is not None:
-            try:
-                token = self._token()
-            except Exception as e:  # the token source is the caller's code; keep publishing
-                logger.debug("no access token for the metrics record: %r", e)
         now = get_dht_time()
-        record = dataclasses.replace(self._record, token=token, time=now)
-        stored = await self.node.store(
-            self.key, record.to_dict(), now + self.expiration, subkey=self._subkey
-        )
+        record = dataclasses.replace(self._record, token=self._store.token(), time=now)
+        stored = await self._store.store(record.to_dict(), now)
         if stored:
             self._last_store = now
-            self.stores += 1
         return stored
 
     @property
