@@ -228,6 +228,29 @@ def test_local_updates_average_parameters_named_statistics_and_extra_tensors() -
     assert float((flat[0] - train_reference(1, EPOCHS)).abs().max()) > 1e-4
 
 
+def three_dhts(stack: contextlib.ExitStack) -> list[kit.DHT]:
+    """Three DHT peers on loopback, the first the others' bootstrap (closed with ``stack``)."""
+    first = stack.enter_context(kit.DHT(host="127.0.0.1", client_mode=False))
+    address = first.get_visible_maddrs()[0]
+    return [first] + [
+        stack.enter_context(kit.DHT(initial_peers=[address], host="127.0.0.1", client_mode=False))
+        for _ in range(2)
+    ]
+
+
+def assert_one_state(
+    models: Sequence[torch.nn.Module], opts: Sequence[Any], *, moments: Sequence[str], atol: float
+) -> None:
+    """Every peer holds the same parameters (within ``atol``) and optimizer ``moments``."""
+    flat = [torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in models]
+    for other in flat[1:]:
+        torch.testing.assert_close(flat[0], other, rtol=1e-6, atol=atol)
+    for name in moments:
+        held = [torch.cat([opt.opt.state[p][name].reshape(-1) for p in opt._params]) for opt in opts]
+        for other in held[1:]:
+            torch.testing.assert_close(held[0], other, rtol=1e-6, atol=1e-12)
+
+
 @pytest.mark.async_timeout(200)
 def test_a_peer_whose_round_failed_fetches_the_others_state() -> None:
     """Three peers; peer 0's gradient round fails once (it steps on its own gradient). The other
@@ -236,14 +259,7 @@ def test_a_peer_whose_round_failed_fetches_the_others_state() -> None:
     end with the same parameters *and* Adam moments (parameter averaging alone would leave its
     moments apart; it is off here), and nobody got stuck."""
     with contextlib.ExitStack() as stack:
-        first = stack.enter_context(kit.DHT(host="127.0.0.1", client_mode=False))
-        address = first.get_visible_maddrs()[0]
-        dhts = [first] + [
-            stack.enter_context(
-                kit.DHT(initial_peers=[address], host="127.0.0.1", client_mode=False)
-            )
-            for _ in range(2)
-        ]
+        dhts = three_dhts(stack)
         models = [make_model() for _ in dhts]
         opts = [
             # No parameter rounds: only the state download can bring peer 0 back in line.
@@ -274,14 +290,7 @@ def test_a_peer_whose_round_failed_fetches_the_others_state() -> None:
             for opt in opts:
                 opt.shutdown()
     assert failed == [1] and full == [6, 6]
-    flat = [torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in models]
-    for other in flat[1:]:
-        torch.testing.assert_close(flat[0], other, rtol=1e-6, atol=1e-7)
-    moments = [
-        torch.cat([opt.opt.state[p]["exp_avg_sq"].reshape(-1) for p in opt._params]) for opt in opts
-    ]
-    for other in moments[1:]:
-        torch.testing.assert_close(moments[0], other, rtol=1e-6, atol=1e-12)
+    assert_one_state(models, opts, moments=("exp_avg_sq",), atol=1e-7)
 
 
 @pytest.mark.async_timeout(200)
@@ -293,14 +302,7 @@ def test_peers_of_a_partial_round_end_with_one_state() -> None:
     chunks step with a zero gradient instead, so all three end with the same parameters *and*
     moments."""
     with contextlib.ExitStack() as stack:
-        first = stack.enter_context(kit.DHT(host="127.0.0.1", client_mode=False))
-        address = first.get_visible_maddrs()[0]
-        dhts = [first] + [
-            stack.enter_context(
-                kit.DHT(initial_peers=[address], host="127.0.0.1", client_mode=False)
-            )
-            for _ in range(2)
-        ]
+        dhts = three_dhts(stack)
         models = [make_model() for _ in dhts]
         opts = [
             make_optimizer(dht, model, target_batch_size(3), average_state_every=1)
@@ -323,16 +325,8 @@ def test_peers_of_a_partial_round_end_with_one_state() -> None:
             for opt in opts:
                 opt.shutdown()
     assert partial == [1, 1, 1]
-    flat = [torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in models]
-    for other in flat[1:]:
-        # as in the failed-round test above: float rounding of landed deltas, not a divergence
-        torch.testing.assert_close(flat[0], other, rtol=1e-6, atol=1e-12)
-    for name in ("exp_avg", "exp_avg_sq"):
-        moments = [
-            torch.cat([opt.opt.state[p][name].reshape(-1) for p in opt._params]) for opt in opts
-        ]
-        for other in moments[1:]:
-            torch.testing.assert_close(moments[0], other, rtol=1e-6, atol=1e-12)
+    # (float rounding of landed deltas is allowed, as in the failed-round test; a divergence not)
+    assert_one_state(models, opts, moments=("exp_avg", "exp_avg_sq"), atol=1e-12)
 
 
 def _losing_part_zero(
