@@ -20,7 +20,7 @@ from kit.averaging.averager import DecentralizedAverager, RoundResult
 from kit.averaging.control import StepControl
 from kit.errors import AveragingFailed, KitError, KitTimeout, TransientError
 from kit.optim.accumulation import GradientAccumulator
-from kit.optim.epochs import Judgement
+from kit.optim.epoch_actions import Judgement
 from kit.optim.progress import ProgressTracker
 from kit.optim.stepping import InnerOptimizer
 
