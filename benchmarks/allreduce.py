@@ -18,7 +18,9 @@ pages counted once) and the CPU time of ours and of every other process on the m
 machine is shared: it first waits, bounded, for other processes to use < 10 % of a core).
 Everything is bounded: ``--deadline-s`` for the whole run, step, barrier and all-reduce timeouts,
 and the peers' process groups are killed at the end. Prints one JSON line (the last line).
-Set ``KIT_LOG_LEVEL=DEBUG`` to have the peers log into ``peer_<i>.log`` in the run directory.
+Set ``KIT_LOG_LEVEL=DEBUG`` to have the peers log into ``peer_<i>.log`` in the run directory, and
+``KIT_BENCH_PROFILE=1`` for a CPU-time profile of each peer's loop thread over the steady rounds
+(``profile_<i>.pstats``); ``minor_faults`` counts the page faults of the peers' rounds.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import json
 import logging
 import os
 import re
+import resource
 import signal
 import statistics
 import subprocess
@@ -242,6 +245,41 @@ class TcpMesh:
         self.runtime.shutdown()
 
 
+def start_profile(round_index: int) -> Any:
+    """With ``KIT_BENCH_PROFILE=1``, cProfile the runtime's loop thread in the steady rounds
+    (where the round's work runs): ``profile_<i>.pstats`` in the run directory."""
+    if not os.environ.get("KIT_BENCH_PROFILE") or round_index == 0:
+        return None
+    import cProfile
+
+    from kit.runtime import get_runtime
+
+    profiler = cProfile.Profile(time.thread_time)  # CPU time: not the waits of a shared machine
+    get_runtime().loop.call_soon_threadsafe(profiler.enable)
+    return profiler
+
+
+def stop_profile(profiler: Any, run_dir: str, index: int) -> None:
+    if profiler is None:
+        return
+    import concurrent.futures
+
+    from kit.runtime import get_runtime
+
+    done: concurrent.futures.Future[None] = concurrent.futures.Future()
+    get_runtime().loop.call_soon_threadsafe(lambda: (profiler.disable(), done.set_result(None)))
+    done.result(timeout=10)
+    path = os.path.join(run_dir, f"profile_{index}.pstats")
+    if os.path.exists(path):
+        import pstats
+
+        stats = pstats.Stats(path)
+        stats.add(profiler)
+        stats.dump_stats(path)
+    else:
+        profiler.dump_stats(path)
+
+
 def run_peer(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     sys.path.insert(0, ROOT)
@@ -304,6 +342,8 @@ def run_peer(args: argparse.Namespace) -> None:
                 tensors[0].copy_(own)
             barrier(run_dir, f"r{r}", i, n, args.barrier_timeout)
             record: dict[str, Any] = {"round": r, "wall_start": time.time()}
+            profiler = start_profile(r)
+            faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             cpu0 = os.times()
             t0 = time.perf_counter()
             try:
@@ -313,11 +353,13 @@ def run_peer(args: argparse.Namespace) -> None:
                 outcome, error = None, repr(e)
             total = time.perf_counter() - t0
             cpu1 = os.times()
+            stop_profile(profiler, run_dir, i)
             record.update(
                 ok=error is None,
                 total_s=round(total, 4),
                 user_s=round(cpu1.user - cpu0.user, 3),
                 sys_s=round(cpu1.system - cpu0.system, 3),
+                minor_faults=resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0,
             )
             if outcome is not None:
                 record.update(
@@ -608,6 +650,7 @@ def run_launcher(args: argparse.Namespace, argv: list[str]) -> int:
                 "n_unaveraged_elems": [x.get("n_unaveraged") for x in records],
                 "reported_full": [x.get("reported_full") for x in records],
                 "per_peer_total_s": [x["total_s"] for x in records],
+                "minor_faults": sum(x.get("minor_faults") or 0 for x in records),
                 "tcp_s": max((x.get("tcp_s") or 0) for x in records) or None,
                 # CPU seconds of all peers (user, system): kit's round, then TCP's
                 "cpu_user_sys_s": [
