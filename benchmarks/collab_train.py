@@ -13,7 +13,9 @@ the collaboration's epoch. One JSON line: ``full_window.samples_per_s``,
 ``full_window.longest_stall_s``, ``late_join.time_to_join_s``, and (kit only) ``late_join.phases_s``:
 seconds from the late peer's launch to ``imported`` (torch, kit), ``dht_ready``, ``optimizer_ready``
 and ``state_loaded`` (its ``load_state_from_peers`` returned). ``--delay-grad-averaging`` (kit only, not comparable with the anchor) averages and steps in the
-background (``kit.Optimizer(delay_grad_averaging=True)``). ``KIT_BENCH_LOG=DEBUG`` makes the
+background (``kit.Optimizer(delay_grad_averaging=True)``); ``--reuse-grad-buffers`` (also
+hivemind's option) lets autograd accumulate in ``.grad`` (the loop then calls no ``zero_grad``),
+which saves the per-micro-batch pass that adds ``.grad`` into kit's float32 sums. ``KIT_BENCH_LOG=DEBUG`` makes the
 peers' kit.optim log each averaging round's matchmaking and all-reduce times on stderr.
 """
 
@@ -111,6 +113,8 @@ def peer_main(args: argparse.Namespace) -> None:
         averaging_timeout=args.averaging_timeout,
         # --delay-grad-averaging (kit only): rounds and steps in the background
         delay_grad_averaging=args.delay,
+        # --reuse-grad-buffers: accumulate in .grad (autograd adds; the loop never zeroes it)
+        reuse_grad_buffers=args.reuse_grad_buffers,
     )
     phases["optimizer_ready"] = time.time() - launched
     if args.late:
@@ -130,7 +134,8 @@ def peer_main(args: argparse.Namespace) -> None:
             loss.backward()
             computed = time.time()
             opt.step()
-            opt.zero_grad()
+            if not args.reuse_grad_buffers:
+                opt.zero_grad()
             synced = joined or opt.local_epoch >= opt.tracker.global_progress.epoch
             end = time.time()
             pending.append(json.dumps([start, computed, end, opt.local_epoch, synced, loss.item()]))
@@ -219,6 +224,11 @@ def main() -> None:
         action="store_true",
         help="kit only: average gradients and step in the background (not in hivemind's anchor)",
     )
+    parser.add_argument(
+        "--reuse-grad-buffers",
+        action="store_true",
+        help="Optimizer(reuse_grad_buffers=True): gradients accumulate in .grad, no zero_grad()",
+    )
     parser.add_argument("--role", default="launcher", help=argparse.SUPPRESS)
     for name in ("initial-peer", "events", "stop", "launched"):
         parser.add_argument(f"--{name}", default="", help=argparse.SUPPRESS)
@@ -252,6 +262,7 @@ def main() -> None:
         "--in-dim",
         str(args.in_dim),
         *(["--delay-grad-averaging"] if args.delay else []),
+        *(["--reuse-grad-buffers"] if args.reuse_grad_buffers else []),
     ]
 
     def launch(index: int, initial: str, late: bool = False) -> subprocess.Popen[bytes]:
@@ -294,6 +305,7 @@ def main() -> None:
         "peers": args.peers,
         "duration": args.duration,
         "delay_grad_averaging": args.delay,
+        "reuse_grad_buffers": args.reuse_grad_buffers,
     }
     late_result: dict[str, object] | None = None
     if args.late_join:
