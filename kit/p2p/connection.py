@@ -9,6 +9,9 @@ or a stream relayed through another peer) and turns its events into :class:`Stre
   cancelling a stream's ``send_message`` (a timeout) can never cut a websocket frame in half.
   The queue is bounded by flow control: a stream only enqueues data it has credit for.
 * Inbound streams are served by handler tasks that the connection owns and cancels on close.
+* The reader never stops reading for memory (that would starve the streams the application does
+  read): a stream that holds too many unread bytes is reset instead (``kit.p2p.budget``), on this
+  connection or, when the peer-wide ledger is over budget, on the connection holding the most.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from kit.errors import (
 )
 from kit.p2p import wire
 from kit.p2p.api import DEFAULT_MAX_MESSAGE
+from kit.p2p.budget import BufferLedger
 from kit.p2p.handshake import RemoteHello
 from kit.p2p.identity import PeerID
 from kit.p2p.mux import (
@@ -43,6 +47,7 @@ from kit.p2p.mux import (
     SendFrame,
     StreamOpened,
     StreamResetByPeer,
+    StreamShed,
     StreamState,
 )
 from kit.p2p.wire import FrameType, Refusal, ResetCode
@@ -184,10 +189,16 @@ class Stream:
             if self._remote_closed:
                 return None, True
             self._data_ready.clear()
-            await wait_bounded(self._data_ready.wait(), timeout, f"receiving on {self.protocol}")
+            mux = self.connection.mux
+            mux.awaiting(self.stream_id, True)  # a reader is waiting: not the stream to shed
+            try:
+                await wait_bounded(
+                    self._data_ready.wait(), timeout, f"receiving on {self.protocol}"
+                )
+            finally:
+                mux.awaiting(self.stream_id, False)
         chunk, end_message = self._chunks.popleft()
-        if chunk:
-            self.connection._consumed(self.stream_id, len(chunk))
+        self.connection._consumed(self.stream_id, len(chunk))
         return chunk, end_message
 
     # --- sending -------------------------------------------------------------------------
@@ -272,6 +283,11 @@ class Stream:
             self._remote_closed = True
         self._data_ready.set()
 
+    def _shed(self, error: Exception) -> None:
+        """Reset for memory: drop what was buffered, so that the memory is free at once."""
+        self._chunks.clear()
+        self._set_error(error)
+
     def _set_error(self, error: Exception) -> None:
         if self._error is None:
             self._error = error
@@ -297,6 +313,7 @@ class Connection:
         limits: MuxLimits,
         on_stream: Callable[[Stream], Awaitable[None]],
         on_closed: Callable[[Connection], None],
+        ledger: BufferLedger[Connection] | None = None,
     ) -> None:
         self.channel = channel
         self.remote = remote
@@ -307,7 +324,10 @@ class Connection:
             limits=limits,
             remote_window=remote.receive_window,
             remote_max_frame=remote.max_frame,
+            ledger=ledger,  # type: ignore[arg-type]  # holders are Connections
+            holder=self,
         )
+        self._ledger = ledger
         self._on_stream = on_stream
         self._on_closed = on_closed
         self._streams: dict[int, Stream] = {}
@@ -397,6 +417,7 @@ class Connection:
             return
         self._closed = True
         self._close_reason = reason
+        self.mux.release_all()
         for stream in list(self._streams.values()):
             stream._set_error(reason)
         self._streams.clear()
@@ -437,6 +458,8 @@ class Connection:
                 frame = wire.decode_frame(data, max_frame)
                 for event in self.mux.receive(frame):
                     self._dispatch(event)
+                if self._ledger is not None and frame.type is FrameType.DATA:
+                    self._shed_for_peer(self._ledger)
         except RemoteProtocolError as e:
             logger.warning("dropping %s: %s", self.remote_peer.short(), e)
             reason = Refusal.TOO_MANY_STREAMS if "beyond the limit" in str(e) else Refusal.PROTOCOL
@@ -448,6 +471,33 @@ class Connection:
         except Exception as e:  # pragma: no cover - a bug
             logger.exception("reader of connection to %s failed", self.remote_peer.short())
             self._shutdown(LocalProtocolError(f"reader failed: {e!r}"))
+
+    def _shed_for_peer(self, ledger: BufferLedger[Connection]) -> None:
+        """Over the peer-wide budget: the connection holding the most resets its largest
+        stream, until the peer is under budget (each round frees at least one chunk)."""
+        while ledger.excess and (heaviest := ledger.heaviest()) is not None:
+            why = f"the peer held {ledger.total} of its {ledger.budget}, this connection the most"
+            shed = heaviest.mux.shed(why)
+            if shed is None:
+                break
+            heaviest._dispatch(shed)
+        ledger.settle()
+
+    def _log_shed(self, event: StreamShed, stream: Stream | None) -> None:
+        # An attacker can cause many of these: warn at the 1st, 2nd, 4th, 8th ... of a connection.
+        count = self.mux.shed_count
+        level = logging.WARNING if count & (count - 1) == 0 else logging.DEBUG
+        logger.log(
+            level,
+            "reset stream %d (%s) of %s for memory: %d bytes unread (%d resets on this "
+            "connection). help: if this peer is honest and you see this often, raise "
+            "MuxLimits.connection_buffer / PeerOptions.buffer_budget",
+            event.stream_id,
+            stream.protocol if stream is not None else "?",
+            self.remote_peer.short(),
+            event.unread,
+            count,
+        )
 
     def _handler_done(self, task: asyncio.Task[None]) -> None:
         self._handler_tasks.discard(task)
@@ -481,6 +531,16 @@ class Connection:
             handler = self._handler_by_stream.pop(event.stream_id, None)
             if handler is not None:
                 handler.cancel()  # the opener gave up: stop working for it
+        elif isinstance(event, StreamShed):
+            self._enqueue(event.frame)
+            stream = self._streams.get(event.stream_id)
+            self._log_shed(event, stream)
+            handler = self._handler_by_stream.pop(event.stream_id, None)
+            if handler is not None:
+                handler.cancel()  # its stream is gone: nothing it does can reach the opener
+            if stream is not None:
+                stream._shed(StreamReset(ResetCode.MEMORY.value, "reset locally: too much unread"))
+                self._maybe_forget(stream)
         elif isinstance(event, SendFrame):
             self._enqueue(event.data)
         elif isinstance(event, GoAway):

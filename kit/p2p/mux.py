@@ -12,6 +12,11 @@ a 100-byte DHT request do not wait for each other. Each stream has:
 Limits protect a peer from its peers: at most ``max_inbound_streams`` concurrent streams opened
 by the remote side (more are refused with RESET "refused"; a peer that keeps opening after
 ``max_refused`` refusals is disconnected), frames no larger than announced, protocol names short.
+Windows bound a stream, not the streams together: the connection's unread bytes are charged
+against ``connection_buffer`` (and a peer-wide :class:`~kit.p2p.budget.BufferLedger`); over it,
+the stream holding the most is reset with code ``memory`` (``shed``), and while a connection
+could not take another full window, new inbound streams are refused (``kit.p2p.budget`` says why
+this and not a connection window).
 
 This module never awaits and never reads a clock; :mod:`kit.p2p.connection` drives it.
 """
@@ -19,10 +24,18 @@ This module never awaits and never reads a clock; :mod:`kit.p2p.connection` driv
 from __future__ import annotations
 
 import enum
+from collections.abc import Hashable
 from dataclasses import dataclass
 
-from kit.errors import FlowControlViolation, LocalProtocolError, MalformedFrame, TooManyStreams
+from kit.errors import (
+    ConfigError,
+    FlowControlViolation,
+    LocalProtocolError,
+    MalformedFrame,
+    TooManyStreams,
+)
 from kit.p2p import wire
+from kit.p2p.budget import CHUNK_COST, BufferLedger
 from kit.p2p.wire import DataFlags, Frame, FrameType, ResetCode
 
 MAX_PROTOCOL_NAME = 200
@@ -38,6 +51,15 @@ class MuxLimits:
     max_frame: int = 1024**2  # largest DATA payload accepted (1-4 MiB measured fastest here)
     max_inbound_streams: int = 256  # concurrent streams the remote side may open
     max_refused: int = 256  # refused stream openings tolerated before the peer is dropped
+    connection_buffer: int = 64 * 2**20  # unread bytes per connection; raise if "reset for memory"
+
+    def __post_init__(self) -> None:
+        if self.connection_buffer < self.receive_window:
+            raise ConfigError(
+                f"MuxLimits.connection_buffer ({self.connection_buffer}) is smaller than "
+                f"receive_window ({self.receive_window}): one stream could never use its "
+                "window. help: raise connection_buffer (default 64 MiB) or lower receive_window"
+            )
 
 
 class StreamState(enum.Enum):
@@ -111,35 +133,75 @@ class GoAway:
 
 
 @dataclass(frozen=True)
+class StreamShed:
+    """We reset ``stream_id`` for memory: the driver drops its buffered chunks and sends ``frame``."""
+
+    stream_id: int
+    unread: int  # payload bytes it held unread
+    frame: bytes  # the RESET to send
+
+
+@dataclass(frozen=True)
 class SendFrame:
     """A frame the driver must send in reply (e.g. a RESET refusing a stream)."""
 
     data: bytes
 
 
-Event = StreamOpened | DataReceived | CreditReceived | StreamResetByPeer | GoAway | SendFrame
+Event = (
+    StreamOpened
+    | DataReceived
+    | CreditReceived
+    | StreamResetByPeer
+    | GoAway
+    | SendFrame
+    | StreamShed
+)
 
 
 _DATA = int(FrameType.DATA)
 
 
 class _StreamRecord:
-    __slots__ = ("consumed_unacked", "received_unconsumed", "send_credit", "state")
+    __slots__ = (
+        "awaited",
+        "consumed_unacked",
+        "cost",
+        "since",
+        "received_unconsumed",
+        "send_credit",
+        "state",
+    )
 
     def __init__(self, send_credit: int) -> None:
         self.state = StreamState.OPEN
         self.send_credit = send_credit  # bytes we may still send
         self.received_unconsumed = 0  # bytes received and not yet consumed by the application
         self.consumed_unacked = 0  # consumed bytes not yet returned as credit
+        self.cost = 0  # what its unread chunks cost here: payloads + CHUNK_COST each
+        self.since = 0  # the connection's clock when it was opened, last read, or last empty
+        self.awaited = False  # the application is waiting to read it right now
 
 
 class Mux:
     """Stream bookkeeping for one established connection."""
 
     def __init__(
-        self, *, is_dialer: bool, limits: MuxLimits, remote_window: int, remote_max_frame: int
+        self,
+        *,
+        is_dialer: bool,
+        limits: MuxLimits,
+        remote_window: int,
+        remote_max_frame: int,
+        ledger: BufferLedger[Hashable] | None = None,
+        holder: Hashable | None = None,
     ) -> None:
         self.limits = limits
+        self.buffered = 0  # what the unread chunks of all streams cost here (see kit.p2p.budget)
+        self.shed_count = 0  # streams reset for memory so far
+        self._ledger = ledger
+        self._holder: Hashable = self if holder is None else holder
+        self._clock = 0  # ticks at every read and every new stream, for choosing whom to shed
         self.remote_window = remote_window
         self.send_frame_size = min(remote_max_frame, limits.max_frame)
         self._streams: dict[int, _StreamRecord] = {}
@@ -173,7 +235,7 @@ class Mux:
         if stream_id > wire.MAX_STREAM_ID:
             raise LocalProtocolError("stream ids exhausted on this connection")
         self._next_local_id += 2
-        self._streams[stream_id] = _StreamRecord(self.remote_window)
+        self._streams[stream_id] = self._new_record()
         return stream_id, wire.encode_control(FrameType.OPEN, stream_id, {"protocol": protocol})
 
     def data_frame(
@@ -224,12 +286,16 @@ class Mux:
         )
 
     def consumed(self, stream_id: int, size: int) -> bytes | None:
-        """The application consumed ``size`` received bytes; maybe return a CREDIT frame."""
+        """The application consumed one received chunk of ``size`` bytes (maybe empty: a bare
+        end of message); maybe return a CREDIT frame."""
         record = self._streams.get(stream_id)
         if record is None:
-            return None
+            return None  # reset or closed: its bytes were released then
         record.received_unconsumed -= size
         record.consumed_unacked += size
+        self._release(record, size + CHUNK_COST)
+        self._clock += 1
+        record.since = self._clock
         if record.state in FINAL_STATES or record.state is StreamState.REMOTE_CLOSED:
             return None  # the remote will send nothing more: no credit needed
         # Return credit in batches of a quarter window: fewer frames, the pipe never drains.
@@ -292,7 +358,8 @@ class Mux:
         if not 0 < len(protocol) <= MAX_PROTOCOL_NAME:
             raise MalformedFrame(f"OPEN: protocol name of {len(protocol)} characters")
         self._highest_remote_id = stream_id
-        if self._inbound_open >= self.limits.max_inbound_streams:
+        full = self.buffered + self.limits.receive_window > self.limits.connection_buffer
+        if self._inbound_open >= self.limits.max_inbound_streams or full:
             self._refused += 1
             if self._refused > self.limits.max_refused:
                 raise TooManyStreams(
@@ -300,13 +367,75 @@ class Mux:
                     f"{self._refused} times"
                 )
             message = f"more than {self.limits.max_inbound_streams} concurrent streams"
+            if full:
+                message = f"{self.buffered} bytes unread on this connection: no room for a window"
             reset = wire.encode_control(
                 FrameType.RESET, stream_id, {"code": ResetCode.REFUSED.value, "message": message}
             )
             return [SendFrame(reset)]
         self._inbound_open += 1
-        self._streams[stream_id] = _StreamRecord(self.remote_window)
+        self._streams[stream_id] = self._new_record()
         return [StreamOpened(stream_id, protocol)]
+
+    # --- memory budget -----------------------------------------------------------------
+
+    def awaiting(self, stream_id: int, awaited: bool) -> None:
+        """The application starts (True) or stops (False) waiting for data on ``stream_id``."""
+        record = self._streams.get(stream_id)
+        if record is not None:
+            record.awaited = awaited
+
+    def shed(self, why: str) -> StreamShed | None:
+        """Reset the stream holding the most unread bytes here, releasing them; None if no
+        stream holds any. Streams the remote opened go first (how many and what they hold is
+        the remote's doing; our own are our application's), then streams nobody is waiting
+        to read (a waiting reader takes its bytes as soon as the loop turns), then the most
+        unread bytes, then the stream holding bytes unread for longest."""
+        victim_id, victim_key = None, (False, False, 0, 0)
+        for stream_id, record in self._streams.items():
+            inbound = stream_id % 2 != self._local_parity
+            key = (inbound, not record.awaited, record.cost, -record.since)
+            if record.cost and (victim_id is None or key > victim_key):
+                victim_id, victim_key = stream_id, key
+        if victim_id is None:
+            return None
+        victim = self._streams[victim_id]
+        unread = victim.received_unconsumed
+        message = (
+            f"reset for memory: {unread} bytes unread on this stream, {why}. help: the receiver "
+            "must read its streams; or raise its MuxLimits.connection_buffer / "
+            "PeerOptions.buffer_budget"
+        )
+        frame = self.reset_frame(victim_id, ResetCode.MEMORY, message)
+        assert frame is not None  # a stream holding bytes is not final
+        self.shed_count += 1
+        return StreamShed(victim_id, unread, frame)
+
+    def _new_record(self) -> _StreamRecord:
+        self._clock += 1
+        record = _StreamRecord(self.remote_window)
+        record.since = self._clock
+        return record
+
+    def release_all(self) -> None:
+        """The connection is gone: nothing it received is ours to count any more."""
+        self.buffered = 0
+        for record in self._streams.values():
+            record.cost = 0
+        if self._ledger is not None:
+            self._ledger.forget(self._holder)
+
+    def _charge(self, record: _StreamRecord, cost: int) -> None:
+        record.cost += cost
+        self.buffered += cost
+        if self._ledger is not None:
+            self._ledger.charge(self._holder, cost)
+
+    def _release(self, record: _StreamRecord, cost: int) -> None:
+        record.cost -= cost
+        self.buffered -= cost
+        if self._ledger is not None:
+            self._ledger.release(self._holder, cost)
 
     def _receive_data(self, frame: Frame, record: _StreamRecord) -> list[Event]:
         if record.state in FINAL_STATES:
@@ -320,14 +449,24 @@ class Mux:
                 f"stream {frame.stream_id}: {record.received_unconsumed} unconsumed bytes exceed "
                 f"the window of {self.limits.receive_window}"
             )
+        end_message = bool(frame.flags & wire.END_MESSAGE)
         end_stream = bool(frame.flags & wire.END_STREAM)
+        if size or end_message:  # exactly the chunks the driver queues (``Stream._deliver``)
+            if not record.cost:  # it starts holding unread bytes now
+                self._clock += 1
+                record.since = self._clock
+            self._charge(record, size + CHUNK_COST)
         if end_stream:
             self._transition(frame.stream_id, record, StreamEvent.REMOTE_END)
-        return [
-            DataReceived(
-                frame.stream_id, frame.payload, bool(frame.flags & wire.END_MESSAGE), end_stream
-            )
+        events: list[Event] = [
+            DataReceived(frame.stream_id, frame.payload, end_message, end_stream)
         ]
+        budget = self.limits.connection_buffer
+        while self.buffered > budget and (
+            shed := self.shed(f"the connection held {self.buffered} of its {budget}")
+        ):
+            events.append(shed)
+        return events
 
     def _transition(self, stream_id: int, record: _StreamRecord, event: StreamEvent) -> None:
         new_state = TRANSITIONS[record.state].get(event)
@@ -338,6 +477,11 @@ class Mux:
         record.state = new_state
         if new_state in FINAL_STATES:
             # Forget final streams at once: late frames for them are recognised by id range.
+            # Their unread chunks are no longer counted: a reset drops them (and cancels an
+            # inbound stream's handler); what a fully closed stream still holds is bounded by
+            # one window and lives only as long as the application keeps the stream.
+            if record.cost:
+                self._release(record, record.cost)
             del self._streams[stream_id]
             if stream_id % 2 != self._local_parity:
                 self._inbound_open -= 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ssl
 from dataclasses import dataclass, field
 
+from kit.errors import ConfigError
 from kit.p2p.mux import MuxLimits
 
 
@@ -48,6 +49,7 @@ class PeerOptions:
         None  # for dialing wss://; None = system CAs, verification on
     )
     limits: MuxLimits = field(default_factory=MuxLimits)  # per-connection stream and flow limits
+    buffer_budget: int = 512 * 2**20  # unread bytes of all peers; raise if "reset for memory"
     handshake_timeout: float = 10.0  # increase if you see handshake timeouts on slow links
     dial_timeout: float = 10.0  # TCP + websocket opening; increase on very slow links
     keepalive_interval: float = (
@@ -58,3 +60,11 @@ class PeerOptions:
     idle_timeout: float = 300.0  # close connections without streams for this long (0 = never)
     frame_auth: bool = False  # MAC every frame (on by itself with a private-run authorizer)
     fast_framing: bool = True  # kit's own zero-copy websocket framing after the upgrade (2x faster)
+
+    def __post_init__(self) -> None:
+        if self.buffer_budget < self.limits.connection_buffer:
+            raise ConfigError(
+                f"PeerOptions.buffer_budget ({self.buffer_budget}) is smaller than "
+                f"limits.connection_buffer ({self.limits.connection_buffer}): one connection "
+                "could never use its budget. help: raise buffer_budget (default 512 MiB)"
+            )

@@ -37,6 +37,7 @@ from kit.errors import (
 )
 from kit.p2p import reachability, relay, transport
 from kit.p2p.api import DEFAULT_MAX_MESSAGE, StreamHandler, UnaryHandler
+from kit.p2p.budget import BufferLedger
 from kit.p2p.channel import Authorizer, OpenAuthorizer, accept_handshake, dial_handshake
 from kit.p2p.connection import Channel, Connection, Stream, wait_bounded
 from kit.p2p.frame_auth import AuthenticatedChannel
@@ -71,6 +72,8 @@ class Peer:
         self._listener = Listener(options, self._accept_websocket)
         self._connections: dict[PeerID, Connection] = {}
         self._all_connections: set[Connection] = set()
+        # Unread received bytes of all connections, against one budget (kit.p2p.budget).
+        self.buffer_ledger: BufferLedger[Connection] = BufferLedger(options.buffer_budget)
         self._dials: dict[str, asyncio.Future[PeerID]] = {}
         self._address_book: dict[PeerID, list[Address]] = {}
         self._stream_handlers: dict[str, StreamHandler] = {}
@@ -406,6 +409,7 @@ class Peer:
             limits=self.options.limits,
             on_stream=self._serve_stream,
             on_closed=self._forget_connection,
+            ledger=self.buffer_ledger,
         )
         self._all_connections.add(connection)
         if self._closing:

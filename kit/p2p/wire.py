@@ -88,6 +88,7 @@ class ResetCode(str, enum.Enum):
     TIMEOUT = "timeout"
     SHUTDOWN = "shutdown"
     PROTOCOL = "protocol_error"
+    MEMORY = "memory"  # the receiver held too many unread bytes (kit.p2p.budget)
 
 
 @dataclass(frozen=True)
