@@ -145,6 +145,23 @@ def test_the_stream_being_read_is_not_the_one_reset() -> None:
     assert [event.stream_id for event in shed] == [idle]  # as full, but never read
 
 
+def test_a_stream_the_application_waits_on_and_our_own_streams_go_last() -> None:
+    """The fullest stream is spared while the application is waiting to read it (its bytes go
+    as soon as the loop turns), and streams we opened are shed only after the remote's."""
+    dialer, listener = mux(), mux(is_dialer=False)
+    awaited, idle, late = open_streams(dialer, listener, 3)  # the remote (dialer) opened these
+    ours, frame = listener.open_stream("download")
+    deliver(dialer, frame)
+    for stream_id in (awaited, ours, idle):
+        fill(dialer, listener, stream_id, WINDOW // FRAME)
+    listener.awaiting(awaited, True)
+    assert [event.stream_id for event in sheds(fill(dialer, listener, late, 4))] == [idle]
+    listener.awaiting(awaited, False)  # it stopped waiting: now it is the remote's oldest full
+    order = [listener.shed("test") for _ in range(3)]
+    assert [shed.stream_id for shed in order if shed is not None] == [awaited, late, ours]
+    assert listener.shed("test") is None and listener.buffered == 0
+
+
 def test_empty_frames_cost_memory_and_are_budgeted() -> None:
     """Windows count payload bytes only: a remote sending empty end-of-message frames is held to
     the budget by the per-chunk cost instead of queueing millions of tiny chunks."""
