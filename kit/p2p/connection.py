@@ -53,6 +53,11 @@ from kit.p2p.mux import (
 from kit.p2p.wire import FrameType, Refusal, ResetCode
 
 logger = logging.getLogger(__name__)
+MEMORY_RESET = (
+    "reset locally for memory: the stream held the most unread bytes when this peer was over "
+    "its budget. help: read streams as data comes, or raise MuxLimits.connection_buffer / "
+    "PeerOptions.buffer_budget"
+)
 T = TypeVar("T")
 
 
@@ -539,7 +544,7 @@ class Connection:
             if handler is not None:
                 handler.cancel()  # its stream is gone: nothing it does can reach the opener
             if stream is not None:
-                stream._shed(StreamReset(ResetCode.MEMORY.value, "reset locally: too much unread"))
+                stream._shed(StreamReset(ResetCode.MEMORY.value, MEMORY_RESET))
                 self._maybe_forget(stream)
         elif isinstance(event, SendFrame):
             self._enqueue(event.data)

@@ -49,7 +49,7 @@ class PeerOptions:
         None  # for dialing wss://; None = system CAs, verification on
     )
     limits: MuxLimits = field(default_factory=MuxLimits)  # per-connection stream and flow limits
-    buffer_budget: int = 512 * 2**20  # unread bytes of all peers; raise if "reset for memory"
+    buffer_budget: int = 512 * 2**20  # unread bytes, all connections; raise if "reset for memory"
     handshake_timeout: float = 10.0  # increase if you see handshake timeouts on slow links
     dial_timeout: float = 10.0  # TCP + websocket opening; increase on very slow links
     keepalive_interval: float = (
