@@ -20,7 +20,7 @@ import asyncio
 import collections
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from kit.errors import (
     ConnectionLost,
@@ -465,6 +465,8 @@ class Connection:
                     self._dispatch(event)
                 if self._ledger is not None and frame.type is FrameType.DATA:
                     self._shed_for_peer(self._ledger)
+                    if self.mux.circuit_ledger is not None:  # this peer relays circuits here
+                        self._shed_for_peer(self.mux.circuit_ledger, circuits=True)
         except RemoteProtocolError as e:
             logger.warning("dropping %s: %s", self.remote_peer.short(), e)
             reason = Refusal.TOO_MANY_STREAMS if "beyond the limit" in str(e) else Refusal.PROTOCOL
@@ -477,12 +479,12 @@ class Connection:
             logger.exception("reader of connection to %s failed", self.remote_peer.short())
             self._shutdown(LocalProtocolError(f"reader failed: {e!r}"))
 
-    def _shed_for_peer(self, ledger: BufferLedger[Connection]) -> None:
-        """Over the peer-wide budget: the connection holding the most resets its largest
-        stream, until the peer is under budget (each round frees at least one chunk)."""
+    def _shed_for_peer(self, ledger: BufferLedger[Any], circuits: bool = False) -> None:
+        """Over the peer-wide budget (or the relay's, for ``circuits``): the connection holding
+        the most resets its largest stream, until under budget (each round frees a chunk)."""
         while ledger.excess and (heaviest := ledger.heaviest()) is not None:
             why = f"the peer held {ledger.total} of its {ledger.budget}, this connection the most"
-            shed = heaviest.mux.shed(why)
+            shed = heaviest.mux.shed(why, circuits=circuits)
             if shed is None:
                 break
             heaviest._dispatch(shed)

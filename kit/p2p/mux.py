@@ -165,6 +165,7 @@ _DATA = int(FrameType.DATA)
 class _StreamRecord:
     __slots__ = (
         "awaited",
+        "circuit",
         "consumed_unacked",
         "cost",
         "since",
@@ -181,6 +182,7 @@ class _StreamRecord:
         self.cost = 0  # what its unread chunks cost here: payloads + CHUNK_COST each
         self.since = 0  # the connection's clock when it was opened, last read, or last empty
         self.awaited = False  # the application is waiting to read it right now
+        self.circuit = False  # a circuit this peer relays: charged to the relay's budgets
 
 
 class Mux:
@@ -199,6 +201,12 @@ class Mux:
         self.limits = limits
         self.buffered = 0  # what the unread chunks of all streams cost here (see kit.p2p.budget)
         self.shed_count = 0  # streams reset for memory so far
+        # Circuits this peer relays (kit.p2p.relay) are charged apart: to ``circuit_ledger``
+        # and ``circuit_budget``, set by ``mark_circuit``, not to the two budgets above.
+        self.circuit_buffered = 0
+        self.circuit_peak = 0  # the most ``circuit_buffered`` held after shedding
+        self.circuit_budget = 0
+        self.circuit_ledger: BufferLedger[Hashable] | None = None
         self._ledger = ledger
         self._holder: Hashable = self if holder is None else holder
         self._clock = 0  # ticks at every read and every new stream, for choosing whom to shed
@@ -293,7 +301,9 @@ class Mux:
             return None  # reset or closed: its bytes were released then
         record.received_unconsumed -= size
         record.consumed_unacked += size
-        self._release(record, size + CHUNK_COST)
+        # Less is charged only once ``release_all`` let go of everything (connection closed;
+        # the application may still read the chunks it was given).
+        self._release(record, min(size + CHUNK_COST, record.cost))
         self._clock += 1
         record.since = self._clock
         if record.state in FINAL_STATES or record.state is StreamState.REMOTE_CLOSED:
@@ -385,16 +395,19 @@ class Mux:
         if record is not None:
             record.awaited = awaited
 
-    def shed(self, why: str) -> StreamShed | None:
+    def shed(self, why: str, *, circuits: bool = False) -> StreamShed | None:
         """Reset the stream holding the most unread bytes here, releasing them; None if no
         stream holds any. Streams the remote opened go first (how many and what they hold is
         the remote's doing; our own are our application's), then streams nobody is waiting
         to read (a waiting reader takes its bytes as soon as the loop turns), then the most
-        unread bytes, then the stream holding bytes unread for longest."""
+        unread bytes, then the stream holding bytes unread for longest. Only relayed circuits
+        if ``circuits``, else only the others: each kind is shed for its own budget."""
         victim_id, victim_key = None, (False, False, 0, 0)
         for stream_id, record in self._streams.items():
             inbound = stream_id % 2 != self._local_parity
             key = (inbound, not record.awaited, record.cost, -record.since)
+            if record.circuit is not circuits:
+                continue
             if record.cost and (victim_id is None or key > victim_key):
                 victim_id, victim_key = stream_id, key
         if victim_id is None:
@@ -417,25 +430,49 @@ class Mux:
         record.since = self._clock
         return record
 
+    def mark_circuit(self, stream_id: int, ledger: BufferLedger[Hashable], budget: int) -> None:
+        """``stream_id`` is a circuit this peer relays: from now on its unread bytes count
+        against ``budget`` (for this connection) and ``ledger`` (the relay's), not against
+        ``connection_buffer`` and the peer's ledger (``kit.p2p.relay`` says why)."""
+        record = self._streams.get(stream_id)
+        if record is None or record.circuit:
+            return
+        cost = record.cost
+        self._release(record, cost)
+        self.circuit_ledger, self.circuit_budget = ledger, budget
+        record.circuit = True
+        self._charge(record, cost)
+
     def release_all(self) -> None:
         """The connection is gone: nothing it received is ours to count any more."""
-        self.buffered = 0
+        self.buffered = self.circuit_buffered = 0
         for record in self._streams.values():
             record.cost = 0
-        if self._ledger is not None:
-            self._ledger.forget(self._holder)
+        for ledger in (self._ledger, self.circuit_ledger):
+            if ledger is not None:
+                ledger.forget(self._holder)
 
     def _charge(self, record: _StreamRecord, cost: int) -> None:
         record.cost += cost
-        self.buffered += cost
-        if self._ledger is not None:
-            self._ledger.charge(self._holder, cost)
+        if record.circuit:
+            self.circuit_buffered += cost
+            ledger = self.circuit_ledger
+        else:
+            self.buffered += cost
+            ledger = self._ledger
+        if ledger is not None:
+            ledger.charge(self._holder, cost)
 
     def _release(self, record: _StreamRecord, cost: int) -> None:
         record.cost -= cost
-        self.buffered -= cost
-        if self._ledger is not None:
-            self._ledger.release(self._holder, cost)
+        if record.circuit:
+            self.circuit_buffered -= cost
+            ledger = self.circuit_ledger
+        else:
+            self.buffered -= cost
+            ledger = self._ledger
+        if ledger is not None:
+            ledger.release(self._holder, cost)
 
     def _receive_data(self, frame: Frame, record: _StreamRecord) -> list[Event]:
         if record.state in FINAL_STATES:
@@ -461,6 +498,18 @@ class Mux:
         events: list[Event] = [
             DataReceived(frame.stream_id, frame.payload, end_message, end_stream)
         ]
+        if record.circuit:
+            budget = self.circuit_budget
+            while self.circuit_buffered > budget and (
+                shed := self.shed(
+                    f"the circuits relayed for this peer held {self.circuit_buffered} of their "
+                    f"{budget} (RelayLimits.peer_buffer)",
+                    circuits=True,
+                )
+            ):
+                events.append(shed)
+            self.circuit_peak = max(self.circuit_peak, self.circuit_buffered)
+            return events
         budget = self.limits.connection_buffer
         while self.buffered > budget and (
             shed := self.shed(f"the connection held {self.buffered} of its {budget}")

@@ -24,6 +24,8 @@ class RelayLimits:
     )
     peer_bytes_per_second: float | None = None  # sustained relay bandwidth per peer (None = no cap)
     peer_burst_bytes: int = 64 * 1024**2  # bytes a peer may send at once above its rate
+    peer_buffer: int = 256 * 2**20  # unread circuit bytes from one peer (fits 31 windows of 8 MiB)
+    buffer_budget: int = 2 * 2**30  # unread circuit bytes of all peers; raise if "reset for memory"
 
 
 @dataclass(frozen=True)
@@ -67,4 +69,12 @@ class PeerOptions:
                 f"PeerOptions.buffer_budget ({self.buffer_budget}) is smaller than "
                 f"limits.connection_buffer ({self.limits.connection_buffer}): one connection "
                 "could never use its budget. help: raise buffer_budget (default 512 MiB)"
+            )
+        relay = self.relay_limits
+        if not self.limits.receive_window <= relay.peer_buffer <= relay.buffer_budget:
+            raise ConfigError(
+                f"RelayLimits.peer_buffer ({relay.peer_buffer}) must lie between "
+                f"limits.receive_window ({self.limits.receive_window}) and "
+                f"RelayLimits.buffer_budget ({relay.buffer_budget}). help: raise buffer_budget "
+                "(default 2 GiB) or peer_buffer (default 256 MiB)"
             )

@@ -10,8 +10,24 @@ address ``<relay address>/p2p-circuit/p2p/<client id>``::
 The relayed pair runs the full handshake through the circuit, so the relay can neither read the
 identities wrong nor impersonate either side (it can drop or delay traffic, as any router can).
 A relay enforces per-peer limits (concurrent circuits, bytes per circuit, bytes per second) so
-one volunteer cannot use up its bandwidth. If a relay dies, the client registers with another
+one volunteer cannot use up its bandwidth, and budgets the memory circuits make it hold (below).
+If a relay dies, the client registers with another
 relay from its list (failover) and its relayed addresses change accordingly.
+
+Memory. A circuit's forwarder takes a message from one side and waits for the other side's
+credit; meanwhile the source may fill its stream's window (8 MiB) at the relay, with no reader
+waiting. Charged like any stream, eight such circuits of one client (a volunteer in a group of
+32 has 31) exceed ``MuxLimits.connection_buffer`` (64 MiB) and a legitimate circuit would be
+reset mid-all-reduce. So circuit streams are charged to budgets of their own, as libp2p's
+resource manager gives the relay service its own scope (``libp2p.relay/v2``) beside the
+connection scopes, and circuit relay v2 bounds circuits per peer and what each may carry:
+what a peer's circuits hold unread here counts against ``RelayLimits.peer_buffer`` (256 MiB,
+32 windows, bounded anyway by ``max_circuits_per_peer`` x window), all circuits against
+``RelayLimits.buffer_budget`` (2 GiB); over either, the circuit holding the most is reset with
+code ``memory``, so a client that floods circuits to destinations that never read loses its
+own circuits, and the peer's own streams and budgets (``PeerOptions.buffer_budget``) are not
+touched. Not charged: one message in the forwarder's hand and what waits in the writer for a
+destination's credit, each at most what that destination granted (a window).
 """
 
 from __future__ import annotations
@@ -26,6 +42,7 @@ from typing import Any, Protocol
 from kit.address import Address, parse_address
 from kit.errors import ConnectionLost, KitTimeout, PeerError, PeerUnavailable, RemoteProtocolError
 from kit.p2p import wire
+from kit.p2p.budget import BufferLedger
 from kit.p2p.channel import WEBSOCKET_MAX_SIZE
 from kit.p2p.connection import Channel, Message, Stream, message_parts
 from kit.p2p.identity import PeerID
@@ -146,6 +163,8 @@ class RelayService:
         self._circuits: dict[PeerID, int] = {}
         self._buckets: dict[PeerID, TokenBucket] = {}
         self.relayed_bytes = 0
+        # Unread bytes of the circuits relayed here, per connection: see "Memory" above.
+        self.buffer_ledger: BufferLedger[Any] = BufferLedger(self.limits.buffer_budget)
         peer.add_stream_handler(REGISTER, self._serve_register)  # type: ignore[arg-type]
         peer.add_stream_handler(CONNECT, self._serve_connect)  # type: ignore[arg-type]
 
@@ -201,6 +220,10 @@ class RelayService:
             if answer.get("ok") is not True:
                 await stream.send_message(wire.packb({"ok": False, "error": "target refused"}))
                 return
+            for end in (stream, outbound):
+                end.connection.mux.mark_circuit(
+                    end.stream_id, self.buffer_ledger, self.limits.peer_buffer
+                )
             await stream.send_message(wire.packb({"ok": True}), timeout=self.setup_timeout)
             await self._pipe(stream, outbound)
         finally:
