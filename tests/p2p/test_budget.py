@@ -10,7 +10,7 @@ from kit.errors import ConfigError
 from kit.p2p import wire
 from kit.p2p.budget import CHUNK_COST, BufferLedger
 from kit.p2p.mux import DataReceived, Mux, MuxLimits, SendFrame, StreamOpened, StreamShed
-from kit.p2p.options import PeerOptions
+from kit.p2p.options import PeerOptions, RelayLimits
 from kit.p2p.wire import FrameType, ResetCode
 
 WINDOW = 64 * 1024
@@ -209,6 +209,36 @@ def test_a_reset_or_a_closed_connection_releases_its_bytes_from_the_ledger() -> 
     fill(sender, receiver, third, 1)
     receiver.release_all()
     assert ledger.total == receiver.buffered == 0 and ledger.heaviest() is None
+    # The application may still read the chunk it was given after the connection closed.
+    receiver.consumed(third, FRAME)  # used to trip the ledger: releasing bytes it let go of
+    assert ledger.total == receiver.buffered == 0
+
+
+def test_relayed_circuits_are_charged_to_the_relay_budgets_only() -> None:
+    """A relay's circuits (``kit.p2p.relay``): more than connection_buffer of them is no reset
+    and no refusal of new streams; over the relay's per-peer budget a circuit is reset, and
+    never a stream of the peer's own."""
+    peer_ledger: BufferLedger[Hashable] = BufferLedger(budget=10 * LIMITS.connection_buffer)
+    relay_ledger: BufferLedger[Hashable] = BufferLedger(budget=100 * WINDOW)
+    sender, receiver = mux(), mux(ledger=peer_ledger, is_dialer=False)
+    own, *circuits = open_streams(sender, receiver, 8)
+    fill(sender, receiver, circuits[0], 1)
+    for stream_id in circuits:
+        receiver.mark_circuit(stream_id, relay_ledger, budget=6 * FULL_WINDOW_COST)
+    assert receiver.buffered == peer_ledger.total == 0  # moved to the relay's ledger
+    fill(sender, receiver, own, 1)
+    events: list[object] = []
+    for stream_id in circuits[:6]:  # 6 full windows: over connection_buffer (4), at the budget
+        events += fill(sender, receiver, stream_id, WINDOW // FRAME - (stream_id == circuits[0]))
+    assert sheds(events) == [] and receiver.circuit_buffered == 6 * FULL_WINDOW_COST
+    assert relay_ledger.total == receiver.circuit_buffered
+    assert open_streams(sender, receiver, 1)  # new streams still accepted
+    shed = sheds(fill(sender, receiver, circuits[6], 1))
+    assert [event.stream_id for event in shed] != [] and own not in [e.stream_id for e in shed]
+    assert receiver.circuit_peak <= 6 * FULL_WINDOW_COST
+    assert receiver.buffered == peer_ledger.total == FRAME + CHUNK_COST
+    receiver.release_all()
+    assert relay_ledger.total == peer_ledger.total == 0
 
 
 def test_over_the_peer_budget_the_heaviest_connection_sheds() -> None:
@@ -237,3 +267,7 @@ def test_budgets_smaller_than_what_they_contain_are_refused() -> None:
     with pytest.raises(ConfigError, match="help:"):
         PeerOptions(buffer_budget=2**20)
     assert PeerOptions().buffer_budget >= PeerOptions().limits.connection_buffer
+    with pytest.raises(ConfigError, match="help:"):
+        PeerOptions(relay_limits=RelayLimits(peer_buffer=2**20))
+    with pytest.raises(ConfigError, match="help:"):
+        PeerOptions(relay_limits=RelayLimits(buffer_budget=2**27))
