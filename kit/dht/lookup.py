@@ -155,7 +155,21 @@ class ValueSearch:
         else:
             assert found.value is not None
             records = [DHTRecord(self.key, None, found.value, found.expiration_time)]
+        merged = self._merged.get(self.key_id, now)
+        held = merged.value if merged is not None else None
         for record in records:
+            same = (
+                held.get(record.subkey, now)
+                if isinstance(held, DictionaryDHTValue) and record.subkey is not None
+                else None
+            )
+            if (
+                same is not None
+                and same.value == record.value
+                and same.expiration_time == record.expiration_time
+            ):  # another replica's copy of a record already checked: skip the signature work
+                self.holders.add(holder)
+                continue
             try:
                 check_record(record, self._validator, self._limits, now)
             except InvalidRecord as e:

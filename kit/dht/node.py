@@ -43,6 +43,7 @@ from kit.dht.config import (
 from kit.dht.lookup import (
     Lookup,
     ValueSearch,
+    batches,
     entry_records,
     store_record,
 )
@@ -307,12 +308,19 @@ class DHTNode:
             self._own_records[(key_bytes, subkey_bytes)] = record
         return await self._publish(record)
 
-    async def get(self, key: Any, latest: bool = False) -> ValueWithExpiration[Any] | None:
+    async def get(
+        self, key: Any, latest: bool = False, *, replicas: int | None = None
+    ) -> ValueWithExpiration[Any] | None:
         """The value stored under ``key``, or None.
 
         Args:
             latest: False returns the first non-expired value found (fast); True asks every
                 replica on the way and returns the newest (subkeys merged).
+            replicas: with ``latest``, read the value from only this many of the
+                ``num_replicas`` nodes nearest to the key, chosen at random (their subkeys
+                merged). For a key with hundreds of subkeys that hundreds of peers poll (a
+                matchmaking key): every replica's copy per read otherwise, and the readers
+                spread over the replicas instead of all asking the nearest ones.
 
         Returns:
             ``ValueWithExpiration(value, expiration_time)``; for keys with subkeys the value
@@ -334,7 +342,9 @@ class DHTNode:
             entry = source.get(key_id, now)
             if entry is not None:
                 search.add_entry(entry, now)
-        if not search.done(now):
+        if latest and replicas is not None:
+            await self._read_replicas(key_id, search, replicas)
+        elif not search.done(now):
             deadline = self._clock() + self.config.lookup_timeout
             lookup = await self.network.lookup(key_id, self.config.beam_size, search, deadline)
             now = get_dht_time()
@@ -342,6 +352,18 @@ class DHTNode:
             if entry is not None:
                 self._cache_found(entry, lookup, search, now)
         return search.result(get_dht_time())
+
+    async def _read_replicas(self, key_id: DHTID, search: ValueSearch, count: int) -> None:
+        deadline = self._clock() + self.config.lookup_timeout
+        lookup = await self.network.lookup(key_id, self.config.beam_size, None, deadline)
+        nearest = lookup.nearest_responded(self.config.num_replicas)
+        chosen = self._rng.sample(nearest, min(count, len(nearest)))
+        found = await asyncio.gather(
+            *(self.network.find(contact, key_id, True) for _, contact in chosen)
+        )
+        for (node_id, _), result in zip(chosen, found, strict=True):
+            if result is not None and result.value is not None:
+                search.add_found(result.value, node_id, get_dht_time())
 
     async def get_many(
         self, keys: Iterable[Any], latest: bool = False
@@ -422,7 +444,8 @@ class DHTNode:
             if node_id not in search.holders
         ]
         for contact in lacking[: self.config.cache_nearest]:
-            self._spawn(self.network.store_at(contact, records, in_cache=True))
+            for batch in batches(records):  # a dictionary may hold more than one request may
+                self._spawn(self.network.store_at(contact, batch, in_cache=True))
 
     # --- background work --------------------------------------------------------------------
 
@@ -514,5 +537,7 @@ class DHTNode:
 
     @staticmethod
     def _clock() -> float:
-        """Monotonic seconds for routing and bans (the one clock read of the driver)."""
-        return time.monotonic()
+        """Monotonic seconds for routing and bans (the one clock read of the driver): the loop's
+        time, so that a loop on virtual time moves them too."""
+        loop = asyncio._get_running_loop()
+        return loop.time() if loop is not None else time.monotonic()

@@ -19,9 +19,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kit.averaging.averager import DecentralizedAverager, RoundResult
+from kit.averaging.deadlines import Deadlines
 from kit.optim.accumulation import GradientAccumulator
 from kit.optim.progress import ProgressTracker
-from kit.optim.rounds import RoundOutcome, average_at_epoch
+from kit.optim.rounds import RoundOutcome, average_at_epoch, average_on_grid, expected_peers
 from kit.optim.state import StateSnapshot
 from kit.optim.stepping import InnerOptimizer
 
@@ -39,6 +40,9 @@ class GlobalStep:
     verbose: bool
     matchmaking_time: float
     averaging_timeout: float
+    target_group_size: int | None
+    dht: Any
+    _deadlines: Deadlines
     tracker: ProgressTracker
     grad_averager: DecentralizedAverager | None  # None with use_local_updates
     _inner: InnerOptimizer
@@ -101,20 +105,18 @@ class GlobalStep:
             if self.delay_grad_averaging:
                 self._delayed_global_step(epoch, samples)
                 return
-            result, expected = self._average_gradients(epoch, samples)
+            outcome = self._gradient_round(epoch, samples)
             global_epoch = self.tracker.global_progress.epoch
-            if result is None and global_epoch > epoch and self._in_step:
+            if not outcome.averaged and global_epoch > epoch and self._in_step:
                 self._fast_forward(global_epoch)  # our samples came too late for that step
                 return
-            if result is None:
+            if not outcome.averaged:
                 # We step on our own gradient, but others may still be in this epoch's round:
                 # seeing us at the next epoch, they would take the round for finished and
                 # leave it. Stay at this epoch in their view until they are done.
                 self._held_report = (epoch, samples)
                 self._hold_until = time.monotonic() + self._round_search_time()
-            self._outcome = RoundOutcome(
-                epoch, result, expected, self._exact_gradients and self.exact_steps
-            )
+            self._outcome = outcome
             with self._grads.get_tensors() as buffers:
                 self._inner.set_gradients(buffers, reuse_grad_buffers=self.reuse_grad_buffers)
             stepped = True
@@ -132,10 +134,7 @@ class GlobalStep:
         while this peer computes the next epoch's batches; the result lands at a safe point."""
 
         def average() -> None:  # in the optimizer's thread
-            result, expected = self._average_gradients(epoch, samples)
-            self._outcome = RoundOutcome(
-                epoch, result, expected, self._exact_gradients and self.exact_steps
-            )
+            self._outcome = self._gradient_round(epoch, samples)
             with self._grads.get_tensors() as buffers:
                 self._inner.set_gradients(buffers, reuse_grad_buffers=False)
 
@@ -179,7 +178,63 @@ class GlobalStep:
     def _round_search_time(self) -> float:
         return 2 * self.matchmaking_time + 1.0  # as average_at_epoch's search
 
+    def _gradient_round(self, epoch: int, samples: int) -> RoundOutcome:
+        """The epoch's gradient average: one group, or a Moshpit grid when more peers are
+        expected than ``target_group_size`` (``kit.optim.rounds``: what a global step means)."""
+        expected = expected_peers(self.tracker, epoch, self._last_group_size)
+        self._apply_deadlines(expected)
+        group_size = self.target_group_size
+        if group_size is not None and expected > group_size:
+            outcome = self._average_on_grid(epoch, samples, expected, group_size)
+        else:
+            result, expected = self._average_gradients(epoch, samples)
+            exact = self._exact_gradients and self.exact_steps
+            outcome = RoundOutcome(epoch, result, expected, exact)
+        result = outcome.result
+        if result is None:
+            if expected >= 2:
+                self._deadlines.observe_search(None, filled=False)
+            return outcome
+        filled = len(result) >= min(expected, self.target_group_size or expected)
+        self._deadlines.observe_search(result.matchmaking_time, filled=filled)
+        timed_out = not result.is_full and result.allreduce_time >= 0.9 * self.averaging_timeout
+        self._deadlines.observe_round(None if timed_out else result.allreduce_time)
+        return outcome
+
+    def _apply_deadlines(self, peers: int) -> None:
+        """``"auto"`` deadlines (kit.averaging.deadlines) for a round among ``peers``."""
+        if not self._deadlines.auto:
+            return
+        self.matchmaking_time = self._deadlines.matchmaking_time(peers)
+        self.averaging_timeout = self._deadlines.averaging_timeout(peers)
+        self._grads.set_deadlines(self.matchmaking_time, self.averaging_timeout)
+
+    def _average_on_grid(
+        self, epoch: int, samples: int, expected: int, group_size: int
+    ) -> RoundOutcome:
+        total = self.tracker.samples_at_epoch(epoch)
+
+        def first_round(index: int, result: RoundResult) -> None:
+            if index == 0:  # the members' own samples (later rounds weigh whole groups)
+                self._notify_round_listeners(epoch, result)
+
+        result, grid = average_on_grid(
+            self._grads,
+            self.tracker,
+            epoch,
+            float(samples),
+            me=self.dht.peer_id,
+            expected=expected,
+            group_size=group_size,
+            matchmaking_time=self.matchmaking_time,
+            averaging_timeout=self.averaging_timeout,
+            on_round=first_round,
+        )
+        exact = self._exact_gradients and self.exact_steps
+        return RoundOutcome(epoch, result, expected, exact, grid, total)
+
     def _average_gradients(self, epoch: int, samples: int) -> tuple[RoundResult | None, int]:
+        """One group of the peers at ``epoch``: the result (None: failed), the peers expected."""
         result, expected = average_at_epoch(
             self._grads,
             self.tracker,
@@ -190,12 +245,15 @@ class GlobalStep:
             averaging_timeout=self.averaging_timeout,
         )
         if result is not None:
-            for listener in self._round_listeners:  # e.g. kit.metrics attests the group's weights
-                try:
-                    listener(epoch, result)
-                except Exception:  # a listener's bug must not break training
-                    logger.exception("a round listener failed")
+            self._notify_round_listeners(epoch, result)
         return result, expected
+
+    def _notify_round_listeners(self, epoch: int, result: RoundResult) -> None:
+        for listener in self._round_listeners:  # e.g. kit.metrics attests the group's weights
+            try:
+                listener(epoch, result)
+            except Exception:  # a listener's bug must not break training
+                logger.exception("a round listener failed")
 
     def _conclude_round(self) -> None:
         """Judge the last gradient round (at a safe point, in the caller's thread)."""
@@ -203,7 +261,7 @@ class GlobalStep:
         if outcome is None:
             return
         outcome.log()
-        if outcome.result is None and self._held_report is not None:
+        if not outcome.averaged and self._held_report is not None:
             self._hold_until = time.monotonic() + self._round_search_time()  # see _global_step
         if not outcome.identical:
             self._set_drifted(True)

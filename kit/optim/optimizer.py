@@ -53,6 +53,7 @@ import torch
 from kit.averaging.averager import DecentralizedAverager, RoundResult
 from kit.averaging.compression import CompressionBase, NoCompression
 from kit.averaging.control import StepControl
+from kit.averaging.deadlines import Deadlines
 from kit.errors import (
     ConfigError,
     KitUsageError,
@@ -94,9 +95,13 @@ class Optimizer(StateSharing, GlobalStep, torch.optim.Optimizer):
         scheduler: a learning-rate scheduler or a factory of one; it steps once per epoch.
         matchmaking_time: seconds a peer waits for others to form an averaging group. 3-5 s on
             a LAN, 10-15 s on the Internet; increase it if you see "averaging failed" warnings
-            with few peers averaging.
+            with few peers averaging. ``"auto"``: derived from the swarm's size and the last
+            rounds (``kit.averaging.deadlines``).
         averaging_timeout: the longest an averaging round may take (about 2x a normal round);
-            increase it if rounds on slow links time out.
+            increase it if rounds on slow links time out. ``"auto"``: from the last rounds.
+        target_group_size: the largest averaging group. When more peers are expected at an
+            epoch, the gradient is averaged on a Moshpit grid of groups of this size (still the
+            exact global-batch gradient on a full grid: ``kit.optim.rounds``). None: one group.
         load_state_timeout: the longest a state download from peers may take.
         reuse_grad_buffers: accumulate in the parameters' ``.grad`` instead of a separate buffer
             (saves one copy of the model). Never call ``zero_grad`` then: kit clears ``.grad``
@@ -139,8 +144,9 @@ class Optimizer(StateSharing, GlobalStep, torch.optim.Optimizer):
         optimizer: torch.optim.Optimizer | OptimizerFactory,
         params: Iterable[Any] | None = None,
         scheduler: Any = None,
-        matchmaking_time: float | None = 15.0,
-        averaging_timeout: float | None = 60.0,
+        matchmaking_time: float | str | None = 15.0,
+        averaging_timeout: float | str | None = 60.0,
+        target_group_size: int | None = None,
         allreduce_timeout: float | None = None,
         next_chunk_timeout: float | None = None,
         load_state_timeout: float = 600.0,
@@ -180,8 +186,11 @@ class Optimizer(StateSharing, GlobalStep, torch.optim.Optimizer):
         self.average_state_every = average_state_every
         self.average_opt_statistics = tuple(average_opt_statistics)
         self.load_state_timeout = load_state_timeout
-        self.averaging_timeout = averaging_timeout or 60.0
-        self.matchmaking_time = matchmaking_time or 15.0
+        self.target_group_size = target_group_size
+        # Fixed, or "auto" (kit.averaging.deadlines): updated before every gradient round.
+        self._deadlines = Deadlines.create(matchmaking_time or 15.0, averaging_timeout or 60.0, 0)
+        self.matchmaking_time = self._deadlines.matchmaking_time(2)
+        self.averaging_timeout = self._deadlines.averaging_timeout(2)
         self.verbose = verbose
         # False when this peer's inner optimizer computes differently from the others' (8-bit
         # statistics chosen by its memory plan): its steps are never bit-identical to theirs,
@@ -221,6 +230,9 @@ class Optimizer(StateSharing, GlobalStep, torch.optim.Optimizer):
             self._inner = InnerOptimizer(optimizer, params, copies=offload, delay=delay_step)
             self.opt = self._inner.opt
             self._params = self._inner.params
+            self._deadlines.vector_bytes = 4 * sum(p.numel() for p in self._params)
+            self.matchmaking_time = self._deadlines.matchmaking_time(2)
+            self.averaging_timeout = self._deadlines.averaging_timeout(2)
             self._extra = list(extra_tensors)
             if self.average_opt_statistics:
                 initialize_statistics(self.opt, self.average_opt_statistics)  # before the scheduler

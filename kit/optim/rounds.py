@@ -1,9 +1,23 @@
-"""One averaging round of ``kit.Optimizer``, tagged with its epoch, and what its result means.
+"""The gradient average of ``kit.Optimizer``, tagged with its epoch, and what its result means.
 
 Holds :func:`average_at_epoch` (blocking: form a group with the peers at the same epoch and
 all-reduce; safe to call from the optimizer's background thread with ``delay_grad_averaging``),
-:class:`RoundOutcome` and :func:`group_bits`. It does not hold the averager (``kit.averaging``)
-nor decides when a round is due (``kit.optim.progress``, ``kit.optim.optimizer``).
+:func:`average_on_grid` (the same over a Moshpit grid, when more peers are expected than
+``target_group_size``), :class:`RoundOutcome` and :func:`group_bits`. It does not hold the
+averager (``kit.averaging``) nor decides when a round is due (``kit.optim.progress``,
+``kit.optim.optimizer``).
+
+A global step keeps DeDLOC's meaning with Moshpit: the sample-weighted mean of the gradients of
+every peer of the epoch. Each peer averages with the weight of what its value stands for (its
+samples, then its group's total, ...; ``kit.averaging.grid``), so its gradient is at every
+moment the exact sample-weighted mean over a set of distinct peers, and the weight says how many
+samples that set holds. On a full grid (every round's groups full: N = G^d peers) d rounds cover
+all of them: the exact global-batch gradient, as with one group. When the grid is incomplete, a
+round fails for a peer (no group, or aborted: it keeps its value and weight and goes on), or a
+peer crashes mid-way, a peer may end with a weight below the epoch's total: it then steps with
+the exact mean of that part of the global batch, flags itself drifted (so parameters are
+averaged and, after a failed round, an exact state fetched: ``kit.optim.global_step``), and logs
+the share it covered. The error this leaves is measured by ``benchmarks/swarm.py``.
 """
 
 from __future__ import annotations
@@ -12,11 +26,14 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 
 from kit.averaging.averager import DecentralizedAverager, RoundResult
 from kit.averaging.control import StepControl
+from kit.averaging.grid import GridAverage, rounds_for
 from kit.errors import AveragingFailed, KitError, KitTimeout, TransientError
 from kit.optim.progress import ProgressTracker
+from kit.p2p.identity import PeerID
 
 logger = logging.getLogger(__name__)
 
@@ -38,26 +55,57 @@ class RoundOutcome:
     """
 
     epoch: int
-    result: RoundResult | None
+    result: RoundResult | None  # of the (last) round
     expected: int
     exact: bool
+    grid: GridAverage | None = None  # Moshpit: the rounds this peer went through
+    total_weight: float = 0.0  # Moshpit: the samples of the epoch, as the tracker saw them
 
     @property
     def group_size(self) -> int:
+        if self.grid is not None:  # the swarm averaged over, for the next epoch's expectation
+            return self.expected if self.result is not None else 0
         return len(self.result) if self.result is not None else 0
+
+    @property
+    def averaged(self) -> bool:
+        """Our gradient was averaged with someone's (in at least one round)."""
+        return self.grid.completed > 0 if self.grid is not None else self.result is not None
+
+    @property
+    def covered(self) -> float:
+        """Moshpit: the share of the epoch's samples our gradient is the exact mean of."""
+        if self.grid is None or self.total_weight <= 0:
+            return 1.0 if self.identical else 0.0
+        return min(1.0, self.grid.weight / self.total_weight)
 
     @property
     def identical(self) -> bool:
         """Every peer we expected got the same, exact average: nobody drifted apart."""
-        result = self.result
+        result, grid = self.result, self.grid
+        if grid is not None:
+            complete = grid.completed == grid.rounds and grid.weight >= self.total_weight - 0.5
+            return grid.exact and self.exact and complete
         return result is not None and result.is_full and self.exact and len(result) >= self.expected
 
     @property
     def failed_or_partial(self) -> bool:
         """Our gradient (or part of it) stayed local: it differs from everyone else's."""
+        if self.grid is not None:
+            return self.grid.completed < self.grid.rounds or not self.grid.exact
         return self.result is None or not self.result.is_full
 
     def log(self) -> None:
+        if self.grid is not None and not self.identical:
+            logger.warning(
+                "averaging at epoch %d: %d of %d grid rounds went through, covering %.1f%% of "
+                "the samples (the gradient is their exact mean)",
+                self.epoch,
+                self.grid.completed,
+                self.grid.rounds,
+                100 * self.covered,
+            )
+            return
         if self.result is None:
             logger.warning(
                 "averaging failed at epoch %d: proceeding with the local gradients", self.epoch
@@ -86,14 +134,68 @@ def average_at_epoch(
     the others already finished ``epoch``'s round without us.
     """
     averager.set_group_bits(group_bits(epoch))
-    # Everyone the tracker sees at our epoch (auxiliary peers included): begin when they are in.
+    expected = expected_peers(tracker, epoch, last_group_size)
+    averager.set_target_group_size(expected if expected >= 2 else None)
+    result = _blocking_step(averager, tracker, epoch, weight, matchmaking_time, averaging_timeout)
+    return result, expected
+
+
+def expected_peers(tracker: ProgressTracker, epoch: int, last_group_size: int) -> int:
+    """Everyone the tracker sees at ``epoch`` (auxiliary peers included)."""
     expected = tracker.peers_at_epoch(epoch, with_samples=True)
     if expected < 2:
         # Only we reported samples: the others' reports have not reached us yet (the peers of
         # our last round are surely coming: their records may still show the previous epoch),
         # or nobody else is there at all.
         expected = max(tracker.peers_at_epoch(epoch), last_group_size)
-    averager.set_target_group_size(expected if expected >= 2 else None)
+    return expected
+
+
+def average_on_grid(
+    averager: DecentralizedAverager,
+    tracker: ProgressTracker,
+    epoch: int,
+    weight: float,
+    *,
+    me: PeerID,
+    expected: int,
+    group_size: int,
+    matchmaking_time: float,
+    averaging_timeout: float,
+    on_round: Callable[[int, RoundResult], None] | None = None,
+) -> tuple[RoundResult | None, GridAverage]:
+    """Moshpit: ceil(log_G(expected)) rounds of groups of ``group_size`` (see the module).
+
+    ``on_round(index, result)`` is called after each round that formed a group.
+
+    Returns the last round's result (None: it failed) and the grid bookkeeping (how many rounds
+    went through, the weight of the final gradient).
+    """
+    grid = GridAverage(group_bits(epoch), group_size, rounds_for(expected, group_size), weight)
+    result: RoundResult | None = None
+    for index in range(grid.rounds):
+        averager.set_group_bits(grid.bits)
+        averager.set_target_group_size(grid.next_target(expected))
+        result = _blocking_step(
+            averager, tracker, epoch, grid.weight, matchmaking_time, averaging_timeout
+        )
+        if result is None:
+            grid.failed(me)
+        else:
+            grid.averaged(result.group_id, result.peers, result.weights, me, result.is_full)
+            if on_round is not None:
+                on_round(index, result)
+    return result, grid
+
+
+def _blocking_step(
+    averager: DecentralizedAverager,
+    tracker: ProgressTracker,
+    epoch: int,
+    weight: float,
+    matchmaking_time: float,
+    averaging_timeout: float,
+) -> RoundResult | None:
     # The timeout bounds the search for a group; the all-reduce has its own (allreduce_timeout).
     search = 2 * matchmaking_time + 1.0
     future = averager.step(weight=weight, timeout=search, wait=False)
@@ -111,13 +213,13 @@ def average_at_epoch(
             if (moved_on and averager.is_looking_for_group) or time.monotonic() > give_up:
                 future.cancel()
                 logger.info("the others finished epoch %d's round without us", epoch)
-                return None, expected
+                return None
         except AveragingFailed as e:  # no group, or the round failed: RoundOutcome.log warns
             logger.info("%s: %s", averager.settings.prefix, e)
-            return None, expected
+            return None
         except (TransientError, KitTimeout, KitError, concurrent.futures.CancelledError) as e:
             logger.warning("averaging round failed: %s", e)
-            return None, expected
+            return None
     if result is not None:
         logger.debug(
             "%s: averaged with %d peers (full: %s) in %.2f + %.2f s",
@@ -127,4 +229,4 @@ def average_at_epoch(
             result.matchmaking_time,
             result.allreduce_time,
         )
-    return result, expected
+    return result
