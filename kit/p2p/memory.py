@@ -167,11 +167,9 @@ class LinkModel(Protocol):
         self, sender: PeerID, receiver: PeerID, nbytes: int, now: float
     ) -> tuple[float, float]:
         """(loop time the sender's uplink is done with the message, loop time it arrives)."""
-        ...
 
     def connect_delay(self, dialer: PeerID, target: PeerID) -> float:
         """Seconds a new connection takes before its first message (handshakes)."""
-        ...
 
 
 class MemoryNetwork:
