@@ -145,6 +145,8 @@ class Matchmaker:
         self.phase = Phase.IDLE
         self.expiration = math.inf  # when this peer begins as a leader at the latest
         self.deadline = math.inf  # when it gives up
+        self.started = math.inf  # when it began looking
+        self.last_join = -math.inf  # when its latest follower joined
         self.followers: dict[PeerID, MemberInfo] = {}  # in join order
         self.leader: Declaration | None = None  # who it joins or follows
         self.view: dict[PeerID, Declaration] = {}  # every other peer this search saw declared
@@ -181,7 +183,7 @@ class Matchmaker:
         ``scheduled_time``: when to begin the round as a leader at the latest (hivemind's
         ``step(scheduled_time=...)``); default now + min_matchmaking_time."""
         self._move(Trigger.START)
-        self.deadline = deadline
+        self.deadline, self.started = deadline, now
         begin = (
             now + self.settings.min_matchmaking_time if scheduled_time is None else scheduled_time
         )
@@ -281,12 +283,17 @@ class Matchmaker:
 
     def _begin_at(self) -> float:
         """A leader begins with the followers it has (at least min_group_size) at this time;
-        a request_timeout later if peers of its chunk (as it sees it) have not joined yet: they
-        may still be deciding (their stores landed late, so their views settled late)."""
+        later if peers of its chunk (as it sees it) have not joined yet: they may still be
+        deciding (their stores landed late, so their views settled late). It then waits as
+        long again as its own view took to settle (views settle about as slowly everywhere:
+        hundreds of peers sharing one CPU took 20-70 s, and leaders that waited a fixed time
+        split their chunks in two), and a request_timeout after the latest follower joined."""
         begin = self._settled()
         if self.first_view < math.inf and 1 + len(self.followers) < self._chunk_size():
-            patient = self.first_view + 2 * self.settings.request_timeout
-            begin = max(begin, min(patient, self.deadline - self.settings.request_timeout))
+            timeout = self.settings.request_timeout
+            waited = max(2 * timeout, self.first_view - self.started)
+            patient = max(self.first_view + waited, self.last_join + timeout)
+            begin = max(begin, min(patient, self.deadline - timeout))
         return begin
 
     def _chunk_size(self) -> int:
@@ -394,6 +401,7 @@ class Matchmaker:
         if target is not None and 1 + len(self.followers) >= target:
             return Refusal("full"), []
         self.followers[member.peer_id] = member
+        self.last_join = now
         self._move(Trigger.FOLLOWER_JOINED)
         return None, self.tick(now)
 

@@ -363,8 +363,12 @@ class MatchmakingDriver:
             await asyncio.wait({first}, timeout=max(0.0, matchmaker.deadline - get_dht_time()))
         finally:
             first.cancel()
+        loop, latency = asyncio.get_running_loop(), 0.0
         for attempt in itertools.count():
-            delay = POLL_DELAYS[min(attempt, len(POLL_DELAYS) - 1)]
+            # As long as the last poll took, at least: a peer spends at most half its time
+            # polling, and when hundreds of peers share a CPU (in-process swarms, tests) their
+            # polls slow down together instead of starving everything else of the loop.
+            delay = max(POLL_DELAYS[min(attempt, len(POLL_DELAYS) - 1)], latency)
             if matchmaker.first_view < math.inf:  # decided: polls only watch for corrections
                 delay = max(delay, self.settings.request_timeout / 2)
             await asyncio.sleep(delay)
@@ -375,10 +379,12 @@ class MatchmakingDriver:
             try:
                 # A slow poll is still worth its answer (the search's own end cancels it).
                 patience = max(self.settings.request_timeout, matchmaker.deadline - get_dht_time())
+                began = loop.time()
                 found = await asyncio.wait_for(
                     self.node.get(self._declared_key, latest=True, replicas=POLL_REPLICAS),
                     patience,
                 )
+                latency = loop.time() - began
             except (KitError, asyncio.TimeoutError) as e:
                 logger.debug("%s: reading the group key failed: %r", self.prefix, e)
                 continue

@@ -41,6 +41,7 @@ from kit.dht.config import (
     get_dht_time,
 )
 from kit.dht.lookup import (
+    CheckedRecords,
     Lookup,
     ValueSearch,
     batches,
@@ -88,6 +89,10 @@ from kit.p2p.identity import PeerID
 
 logger = logging.getLogger(__name__)
 
+REPLICAS_REUSE = 10.0  # seconds a get(replicas=...) reuses the nearest nodes it looked up
+MAX_REUSED_REPLICA_SETS = 64  # keys whose nearest nodes are kept for that
+CHECKED_RECORDS = 8192  # records found valid by gets, remembered (see CheckedRecords)
+
 
 class DHTNode:
     """One Kademlia node on a running peer. Create it with :meth:`create`.
@@ -127,6 +132,9 @@ class DHTNode:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loops: list[asyncio.Task[Any]] = []
         self._rng = random.Random()
+        # key -> (until, its nearest nodes): polls of one key (matchmaking) skip the lookup
+        self._replicas: dict[DHTID, tuple[float, list[tuple[DHTID, Contact]]]] = {}
+        self._checked = CheckedRecords(CHECKED_RECORDS)  # records found valid by gets
         self._running = False
         self.network = DHTNetwork(
             peer,
@@ -337,6 +345,7 @@ class DHTNode:
             self.config.limits,
             max_subkeys=self.config.max_subkeys,
             max_dictionary_bytes=self.config.max_dictionary_bytes,
+            checked=self._checked,
         )
         for source in (self.storage, self.cache):
             entry = source.get(key_id, now)
@@ -354,15 +363,27 @@ class DHTNode:
         return search.result(get_dht_time())
 
     async def _read_replicas(self, key_id: DHTID, search: ValueSearch, count: int) -> None:
-        deadline = self._clock() + self.config.lookup_timeout
-        lookup = await self.network.lookup(key_id, self.config.beam_size, None, deadline)
-        nearest = lookup.nearest_responded(self.config.num_replicas)
+        """Read ``count`` random replicas of the key. Their set is looked up once per
+        REPLICAS_REUSE seconds: polls of one key (hundreds of matchmaking peers, each several
+        times a second) would otherwise spend most of their requests finding the same nodes."""
+        held = self._replicas.get(key_id)
+        if held is not None and held[0] > self._clock():
+            nearest = held[1]
+        else:
+            deadline = self._clock() + self.config.lookup_timeout
+            lookup = await self.network.lookup(key_id, self.config.beam_size, None, deadline)
+            nearest = lookup.nearest_responded(self.config.num_replicas)
+            if len(self._replicas) >= MAX_REUSED_REPLICA_SETS:
+                self._replicas.pop(next(iter(self._replicas)))  # the oldest
+            self._replicas[key_id] = (self._clock() + REPLICAS_REUSE, nearest)
         chosen = self._rng.sample(nearest, min(count, len(nearest)))
         found = await asyncio.gather(
             *(self.network.find(contact, key_id, True) for _, contact in chosen)
         )
         for (node_id, _), result in zip(chosen, found, strict=True):
-            if result is not None and result.value is not None:
+            if result is None:  # a replica failed: look them up again next time
+                self._replicas.pop(key_id, None)
+            elif result.value is not None:
                 search.add_found(result.value, node_id, get_dht_time())
 
     async def get_many(
