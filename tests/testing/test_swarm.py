@@ -106,10 +106,11 @@ def test_messages_over_simulated_links_take_the_links_time() -> None:
 
 
 def test_a_simulated_swarm_reaches_the_global_mean_on_a_full_grid() -> None:
-    """64 peers in groups of 8 over 100 Mbit/s, 50 ms links: two rounds, the exact mean."""
-    report = run_virtual(simulate_grid_average(SwarmSpec(peers=64, group_size=8, size=4096)))
+    """16 peers in groups of 4 over 100 Mbit/s, 50 ms links: two rounds, the exact mean
+    (benchmarks/swarm.py runs the same up to thousands of peers)."""
+    report = run_virtual(simulate_grid_average(SwarmSpec(peers=16, group_size=4, size=4096)))
     assert report.rounds == 2 and report.failed == (0, 0)
-    assert report.group_sizes == ((8,) * 8, (8,) * 8)
+    assert report.group_sizes == ((4,) * 4, (4,) * 4)
     assert report.max_abs_error[0] > 0.1 and report.max_abs_error[1] <= 1e-6
     assert report.rounds_to_global_mean(1e-5) == 2
     # Simulated seconds: what 100 Mbit/s links and 50 ms round trips give (DHT lookups, the
@@ -119,23 +120,24 @@ def test_a_simulated_swarm_reaches_the_global_mean_on_a_full_grid() -> None:
 
 
 def test_an_incomplete_grid_with_churn_keeps_a_measured_error() -> None:
-    """40 peers (not a power of 8) and 5% crashing mid-way: nobody hangs, the error is what
+    """32 peers (not a power of 4) and 10% crashing mid-way: nobody hangs, the error is what
     the README reports for incomplete grids (a mean over part of the swarm), and bounded."""
-    spec = SwarmSpec(peers=40, group_size=8, size=1024, churn=0.05, round_timeout=20.0, seed=3)
+    spec = SwarmSpec(peers=32, group_size=4, size=1024, churn=0.1, round_timeout=20.0, seed=3)
     report = run_virtual(simulate_grid_average(spec))
-    assert report.crashed == 2
+    assert report.crashed == 3 and report.rounds == 3
     assert report.max_abs_error[-1] < report.max_abs_error[0]  # the grid still mixed
-    assert all(size <= 8 for sizes in report.group_sizes for size in sizes)
+    assert all(size <= 4 for sizes in report.group_sizes for size in sizes)
+    assert sum(report.failed) < 32  # most survivors found a group in every round
 
 
 def test_auto_deadlines_succeed_where_the_fixed_constants_fail() -> None:
-    """16 peers averaging 8 MB over 8 Mbit/s links: a round moves 7.5 MB out of and into each
-    peer, about 8 s. Constants that look generous on a LAN (matchmaking 5 s, round timeout 5 s)
+    """8 peers averaging 4 MB over 4 Mbit/s links: a round moves 3.5 MB out of and into each
+    peer, about 7 s. Constants that look generous on a LAN (matchmaking 5 s, round timeout 5 s)
     abort every round; "auto" derives both from the vector and the swarm: every round exact."""
-    size, peers = 2 * 2**20, 16  # floats: 8 MB
+    size, peers = 2**20, 8  # floats: 4 MB
 
     async def rounds(settings: AveragerSettings) -> list[bool]:
-        rate = 8 * MBIT
+        rate = 4 * MBIT
         network = MemoryNetwork(links=SimulatedLinks(LinkProfile(rate, rate, 0.0125)))
         averagers: list[AsyncAverager] = []
         for i in range(peers):
@@ -147,7 +149,7 @@ def test_auto_deadlines_succeed_where_the_fixed_constants_fail() -> None:
         try:
             results = await asyncio.gather(*(a.step(timeout=60.0) for a in averagers))
             return [
-                r is not None and r.is_full and bool(torch.all(a.tensors[0] == 7.5))
+                r is not None and r.is_full and bool(torch.all(a.tensors[0] == 3.5))
                 for a, r in zip(averagers, results, strict=True)
             ]
         finally:
@@ -156,7 +158,7 @@ def test_auto_deadlines_succeed_where_the_fixed_constants_fail() -> None:
                 await averager.node.shutdown()
                 await averager.peer.shutdown()  # type: ignore[attr-defined]
 
-    base = dict(prefix="auto", target_group_size=peers, part_size_bytes=2**19)
+    base = dict(prefix="auto", target_group_size=peers, part_size_bytes=2**18)
     fixed = AveragerSettings(**base, min_matchmaking_time=5.0, allreduce_timeout=5.0)
     deadlines = Deadlines.create("auto", "auto", 4 * size)
     auto = AveragerSettings(
