@@ -284,14 +284,15 @@ class Matchmaker:
     def _begin_at(self) -> float:
         """A leader begins with the followers it has (at least min_group_size) at this time;
         later if peers of its chunk (as it sees it) have not joined yet: they may still be
-        deciding (their stores landed late, so their views settled late). It then waits as
-        long again as its own view took to settle (views settle about as slowly everywhere:
-        hundreds of peers sharing one CPU took 20-70 s, and leaders that waited a fixed time
-        split their chunks in two), and a request_timeout after the latest follower joined."""
+        deciding (their stores landed late, so their views settled late). It then waits twice
+        as long as its own view took to settle (views settle at times spread about that much:
+        hundreds of peers sharing one loaded CPU settled from 20 to 90 s, and leaders that
+        waited a fixed time split their chunks in two), and a request_timeout after the latest
+        follower joined."""
         begin = self._settled()
         if self.first_view < math.inf and 1 + len(self.followers) < self._chunk_size():
             timeout = self.settings.request_timeout
-            waited = max(2 * timeout, self.first_view - self.started)
+            waited = max(2 * timeout, 2 * (self.first_view - self.started))
             patient = max(self.first_view + waited, self.last_join + timeout)
             begin = max(begin, min(patient, self.deadline - timeout))
         return begin
