@@ -1,12 +1,15 @@
 """kit.optim: DeDLOC's collaborative optimizer (hivemind.Optimizer's interface).
 
-Read in this order: ``progress`` (who has how many samples; when the next global step is) →
+Read in this order: ``epochs`` (the epoch life of a peer: a pure state machine) →
+``progress`` (who has how many samples; when the next global step is) →
 ``state`` (snapshots of the training state, served to and downloaded by late joiners) →
 ``state_averaging`` (when parameters need averaging; delayed rounds applied as deltas) →
 ``stepping`` (where the inner optimizer steps: in place, on CPU copies, in a thread) →
-``sharing`` (publishing the state, downloading it, catching up in the background) →
+``rounds`` (the gradient rounds, tagged with their epoch) →
+``sharing`` (publishing the state, downloading it, refreshing it in the background) →
+``driver`` (feeds the epoch machine, carries out its actions) →
 ``arguments`` (hivemind's arguments: accepted, refused) →
-``optimizer`` (``kit.Optimizer``: accumulate, average, step).
+``optimizer`` (``kit.Optimizer``: the public API, its parts composed).
 """
 
 from kit.optim.optimizer import Optimizer

@@ -132,3 +132,13 @@ class GradientAccumulator:
                 param.grad.detach_().zero_()  # keep the buffer: that is the point of reusing it
             else:
                 param.grad = None
+
+    def zero_grad(self, *, set_to_none: bool) -> None:
+        """``Optimizer.zero_grad``: the caller clears ``.grad`` between micro-batches (the
+        accumulator has taken them)."""
+        for param in self.params:
+            if param.grad is not None:
+                if set_to_none:
+                    param.grad = None
+                else:
+                    param.grad.detach_().zero_()

@@ -37,14 +37,13 @@ epoch, with the optimizer statistics named in ``average_opt_statistics``.
 Supported hivemind arguments: all but ``grad_averager_factory`` (refused with ConfigError: kit
 has one gradient averager) and ``load_state_compression`` (refused unless None/NoCompression: the
 state is verified by its digest).
+
+Where it lives: the decisions above are the epoch machine's (``kit.optim.epochs``, pure), carried
+out by ``kit.optim.driver``; this module holds the public API and composes the parts.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import logging
-import math
-import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -58,29 +57,27 @@ from kit.errors import (
     ConfigError,
     KitUsageError,
 )
-from kit.optim.accumulation import GradientAccumulator, all_finite
+from kit.optim.accumulation import GradientAccumulator
 from kit.optim.arguments import resolve_defaults, validate
-from kit.optim.global_step import GlobalStep
+from kit.optim.driver import EpochDriver
+from kit.optim.epochs import EpochLife
 from kit.optim.progress import GlobalProgress, ProgressTracker
-from kit.optim.rounds import RoundOutcome, group_bits
-from kit.optim.sharing import MAX_FAST_FORWARD, StateSharing
-from kit.optim.state import StateServer, StateSnapshot
+from kit.optim.rounds import GradientRounds
+from kit.optim.sharing import StateSharing, start_download
+from kit.optim.state import StateServer
 from kit.optim.state_averaging import (
     AveragedTensors,
     DelayedStateAveraging,
     initialize_statistics,
-    state_averaging_needed,
 )
 from kit.optim.stepping import InnerOptimizer
 from kit.runtime import get_runtime
-
-logger = logging.getLogger(__name__)
 
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
 
-class Optimizer(StateSharing, GlobalStep, torch.optim.Optimizer):
+class Optimizer(torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` that trains together with every peer of ``run_id``.
 
     Args:
@@ -188,28 +185,20 @@ class Optimizer(StateSharing, GlobalStep, torch.optim.Optimizer):
         self.load_state_timeout = load_state_timeout
         self.target_group_size = target_group_size
         # Fixed, or "auto" (kit.averaging.deadlines): updated before every gradient round.
-        self._deadlines = Deadlines.create(matchmaking_time or 15.0, averaging_timeout or 60.0, 0)
-        self.matchmaking_time = self._deadlines.matchmaking_time(2)
-        self.averaging_timeout = self._deadlines.averaging_timeout(2)
+        deadlines = Deadlines.create(matchmaking_time or 15.0, averaging_timeout or 60.0, 0)
         self.verbose = verbose
-        # False when this peer's inner optimizer computes differently from the others' (8-bit
-        # statistics chosen by its memory plan): its steps are never bit-identical to theirs,
-        # so every round marks it drifted and parameter averaging pulls it back.
-        self.exact_steps = True
-        self._runtime = get_runtime()
-        self._catch_up: concurrent.futures.Future[StateSnapshot | None] | None = None
         # A late joiner needs the collaboration's state and progress: both are fetched while the
         # rest is set up (building the inner optimizer alone takes ~1.4 s on torch 2.x: its first
         # use imports torch._dynamo), and load_state_from_peers, or the first step, takes the
         # state if it is still current.
-        self._prefetch = (
-            None if auxiliary else self._download(load_state_timeout, only_if_running=True)
+        prefetch = (
+            None
+            if auxiliary
+            else start_download(dht, run_id, load_state_timeout, only_if_running=True)
         )
         client = dht.client_mode if client_mode is None else client_mode
         identity = dht.node.peer.identity
-        # A fresh peer's parameters match nobody's (random init, or a checkpoint): drifted until
-        # a state download or a complete parameter round says otherwise.
-        self._drifted = True
+        life = EpochLife(prefetching=prefetch is not None)  # the epochs (kit.optim.epochs)
 
         async def track(_: Any, node: Any) -> ProgressTracker:
             options: dict[str, Any] = {
@@ -221,7 +210,7 @@ class Optimizer(StateSharing, GlobalStep, torch.optim.Optimizer):
                 **(tracker_opts or {}),  # the user's options win over kit's defaults
             }
             tracker = ProgressTracker(node, run_id, target_batch_size, **options)
-            tracker.set_drifted(self._drifted)
+            tracker.set_drifted(life.drifted)
             tracker.start()
             return tracker
 
@@ -230,14 +219,14 @@ class Optimizer(StateSharing, GlobalStep, torch.optim.Optimizer):
             self._inner = InnerOptimizer(optimizer, params, copies=offload, delay=delay_step)
             self.opt = self._inner.opt
             self._params = self._inner.params
-            self._deadlines.vector_bytes = 4 * sum(p.numel() for p in self._params)
-            self.matchmaking_time = self._deadlines.matchmaking_time(2)
-            self.averaging_timeout = self._deadlines.averaging_timeout(2)
+            deadlines.vector_bytes = 4 * sum(p.numel() for p in self._params)
+            self._matchmaking_time = deadlines.matchmaking_time(2)  # until the first round
+            self._averaging_timeout = deadlines.averaging_timeout(2)
             self._extra = list(extra_tensors)
             if self.average_opt_statistics:
                 initialize_statistics(self.opt, self.average_opt_statistics)  # before the scheduler
-            self._averaged = AveragedTensors(self._inner, self.average_opt_statistics, self._extra)
-            self.scheduler = (
+            averaged = AveragedTensors(self._inner, self.average_opt_statistics, self._extra)
+            scheduler = (
                 scheduler(self.opt)
                 if callable(scheduler) and not hasattr(scheduler, "step")
                 else scheduler
@@ -246,31 +235,16 @@ class Optimizer(StateSharing, GlobalStep, torch.optim.Optimizer):
             self.defaults = self.opt.defaults
             self._optimizer_step_pre_hooks = {}  # type: ignore[var-annotated]
             self._optimizer_step_post_hooks = {}  # type: ignore[var-annotated]
-            self.local_epoch = 0
-            self.nonfinite_rollbacks = 0  # steps undone because they left a parameter non-finite
-            self._last_shared: StateSnapshot | None = None  # the last state this peer shared
-            self._in_step = False  # it has loaded a state or taken a global step with the others
-            self._step_ended: float | None = None  # when the last step() returned (perf_counter)
-            self._last_group_size = 0  # of the last gradient round (0: none, or it failed)
-            self._outcome: RoundOutcome | None = None  # of a background gradient round, to conclude
-            self._held_report: tuple[int, int] | None = None  # published while that round runs
-            self._hold_until = 0.0  # and after it failed, until then at most (monotonic time)
-            self._catch_up_base: list[torch.Tensor] = []  # our parameters when a catch-up began
-            self._catch_up_epoch = 0  # and our epoch then
-            self._catch_up_tries = 0  # downloads since we fell behind
-            self._round_listeners: list[Callable[[int, RoundResult], None]] = []
             self._accumulated = GradientAccumulator(
                 self._params,
                 reuse_grad_buffers=reuse_grad_buffers,
                 buffered=not (use_local_updates or auxiliary),
             )
-            self._state_buffers = [
-                torch.zeros(t.shape, dtype=torch.float32) for t in self._averaged.current()
-            ]
+            state_buffers = [torch.zeros(t.shape, dtype=torch.float32) for t in averaged.current()]
             averaging: dict[str, Any] = {
-                "min_matchmaking_time": self.matchmaking_time,
-                "request_timeout": min(3.0, self.matchmaking_time),
-                "allreduce_timeout": allreduce_timeout or self.averaging_timeout,
+                "min_matchmaking_time": self._matchmaking_time,
+                "request_timeout": min(3.0, self._matchmaking_time),
+                "allreduce_timeout": allreduce_timeout or self._averaging_timeout,
                 "next_chunk_timeout": next_chunk_timeout,
                 "client_mode": client,
                 "auxiliary": auxiliary,
@@ -281,8 +255,9 @@ class Optimizer(StateSharing, GlobalStep, torch.optim.Optimizer):
             # With local updates parameters are averaged, never gradients: no gradient averager
             # (hivemind's grad_averager is None then too).
             self.grad_averager: DecentralizedAverager | None = None
+            rounds = None
             if not use_local_updates:
-                self.grad_averager = DecentralizedAverager(
+                self.grad_averager = grads = DecentralizedAverager(
                     [torch.zeros(p.shape, dtype=torch.float32) for p in self._params],
                     dht,
                     prefix=f"{run_id}_grad_averager",
@@ -291,32 +266,62 @@ class Optimizer(StateSharing, GlobalStep, torch.optim.Optimizer):
                     # with a lossy codec, and every member steps with the same bytes (averages.py)
                     **{"lossy_deltas": False, **averaging},
                 )
-            # Bit-identical averaged gradients on every member (state_averaging.py): an exact
-            # codec, or one shared lossy average that every member decodes alike (averages.py).
-            self._exact_gradients = self.grad_averager is not None and (
-                not self.grad_averager.settings.lossy_deltas
-                or isinstance(grad_compression or NoCompression(), NoCompression)
-            )
+                # Bit-identical averaged gradients on every member (state_averaging.py): an exact
+                # codec, or one shared lossy average that every member decodes alike.
+                exact = not grads.settings.lossy_deltas or grad_compression is None
+                exact = exact or isinstance(grad_compression, NoCompression)
+                rounds = GradientRounds(
+                    grads,
+                    self.tracker,
+                    deadlines=deadlines,
+                    target_group_size=target_group_size,
+                    me=dht.peer_id,
+                    exact_gradients=exact,
+                )
             self.state_averager = DecentralizedAverager(
-                self._state_buffers,
+                state_buffers,
                 dht,
                 prefix=f"{run_id}_state_averager",
                 compression=state_averaging_compression or NoCompression(),
                 **averaging,
             )
-            self._state_round = DelayedStateAveraging(self.state_averager, self._averaged.add)
 
             async def serve(_: Any, node: Any) -> StateServer:
                 return StateServer(node.peer, node, run_id, identity)
 
-            self._state_server = dht.run_coroutine(serve)
-            self._publish_state()
-        except BaseException:
-            self._stop_prefetch_and_tracker()
+            sharing = StateSharing(
+                dht=dht,
+                run_id=run_id,
+                inner=self._inner,
+                extra=self._extra,
+                scheduler=scheduler,
+                server=dht.run_coroutine(serve),
+                prefetch=prefetch,
+                load_state_timeout=load_state_timeout,
+            )
+            self._driver = EpochDriver(
+                life=life,
+                inner=self._inner,
+                accumulated=self._accumulated,
+                tracker=self.tracker,
+                rounds=rounds,
+                sharing=sharing,
+                state_round=DelayedStateAveraging(self.state_averager, averaged.add),
+                averaged=averaged,
+                runtime=get_runtime(),
+                options={
+                    **{name: getattr(self, name) for name in EpochDriver.OPTIONS},
+                    "matchmaking_time": self._matchmaking_time,  # (local updates: no rounds)
+                },
+            )
+            self._driver.publish_state()
+        except BaseException:  # undo what was started (a bad optimizer factory, bad options)
+            if prefetch is not None:
+                prefetch.cancel()
+            self._stop_tracker()
             raise
 
-    # The inner optimizer's groups and state, always its current objects (its load_state_dict
-    # replaces them, so they are never copied here).
+    # The inner optimizer's current groups and state (its load_state_dict replaces them).
     @property  # type: ignore[override]
     def param_groups(self) -> list[dict[str, Any]]:
         return self.opt.param_groups
@@ -333,7 +338,49 @@ class Optimizer(StateSharing, GlobalStep, torch.optim.Optimizer):
     def state(self, value: Any) -> None:
         self.opt.state = value
 
-    # --- hivemind's API -----------------------------------------------------------------
+    @property
+    def local_epoch(self) -> int:
+        """This peer's epoch (global steps taken, or loaded with a state)."""
+        return self._driver.life.epoch
+
+    @local_epoch.setter
+    def local_epoch(self, epoch: int) -> None:
+        self._driver.life.epoch_set(epoch)
+
+    @property
+    def nonfinite_rollbacks(self) -> int:
+        """Steps undone because they left a parameter non-finite."""
+        return self._driver.nonfinite_rollbacks
+
+    @property
+    def exact_steps(self) -> bool:
+        """False if its steps differ from the others' (8-bit statistics): rounds mark it drifted."""
+        return self._driver.exact_steps
+
+    @exact_steps.setter
+    def exact_steps(self, exact: bool) -> None:
+        self._driver.exact_steps = exact
+
+    @property
+    def scheduler(self) -> Any:
+        """The learning-rate scheduler (None if none); it steps once per epoch."""
+        return self._driver.sharing.scheduler
+
+    @scheduler.setter
+    def scheduler(self, scheduler: Any) -> None:
+        self._driver.sharing.scheduler = scheduler
+
+    @property
+    def matchmaking_time(self) -> float:
+        """Seconds a peer waits for its group (with "auto": as set for the last round)."""
+        rounds = self._driver.rounds
+        return rounds.matchmaking_time if rounds is not None else self._matchmaking_time
+
+    @property
+    def averaging_timeout(self) -> float:
+        """The longest a round may take (with "auto": as set for the last round)."""
+        rounds = self._driver.rounds
+        return rounds.averaging_timeout if rounds is not None else self._averaging_timeout
 
     @property
     def global_progress(self) -> GlobalProgress:
@@ -352,6 +399,12 @@ class Optimizer(StateSharing, GlobalStep, torch.optim.Optimizer):
     def is_synchronized_with_peers(self) -> bool:
         """True if this peer is at the collaboration's epoch (or one behind, mid-step)."""
         return self.local_epoch >= self.tracker.global_progress.epoch - 1
+
+    def add_round_listener(self, listener: Callable[[int, RoundResult], None]) -> None:
+        """Call ``listener(epoch, result)`` after each gradient round that formed a group (in
+        the thread that ran it): ``kit.metrics`` attests the members' weights this way."""
+        if self._driver.rounds is not None:  # with local updates there are no gradient rounds
+            self._driver.rounds.listeners.append(listener)
 
     def step(
         self,
@@ -374,7 +427,7 @@ class Optimizer(StateSharing, GlobalStep, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self.auxiliary:
-            self._auxiliary_step()
+            self._driver.auxiliary_step()
             return loss
         if batch_size is None:
             if self.batch_size_per_step is None:
@@ -382,38 +435,21 @@ class Optimizer(StateSharing, GlobalStep, torch.optim.Optimizer):
                     "step() needs batch_size - help: pass it, or batch_size_per_step= when creating the Optimizer"
                 )
             batch_size = self.batch_size_per_step
-        self._apply_background_work()
-        global_epoch = self.tracker.global_progress.epoch
-        behind = global_epoch - self.local_epoch
-        if behind == 1 and self.use_local_updates and self._accumulated.samples > 0:
-            # Local updates: a peer that took the step a moment before us counted our samples
-            # (it reports the next epoch at once, before its parameter round). There is no
-            # gradient round to miss: take the step too, so our parameter round meets theirs
-            # (loading their state instead would leave their round without us).
-            self._global_step()
-            behind = self.tracker.global_progress.epoch - self.local_epoch
-        if behind > 0 and (not self._in_step or behind > MAX_FAST_FORWARD):
-            self.load_state_from_peers()  # a fresh peer, or too far behind: catch up first
-            self._step_ended = None  # the download is no training time
-            return loss
-        if behind > 0:
-            # The others stepped without us (our round failed, or the state we downloaded was
-            # overtaken while it travelled: epochs can be shorter than a download): what we
-            # accumulated belongs to a batch already applied, so drop it and count our next
-            # samples toward the current epoch at once; the current state comes in the
-            # background (applied at a safe point as a delta), drift is flagged meanwhile.
-            self._fast_forward(global_epoch)
-        finite = batch_size > 0 and self._accumulated.add(batch_size, grad_scaler)
-        if finite and self.use_local_updates:
-            self.opt.step()
-            self._roll_back_if_not_finite()
-        if finite and self._step_ended is not None:  # local throughput, global steps excluded
-            self.tracker.performance_ema.update(batch_size, time.perf_counter() - self._step_ended)
-        self._report_progress()
-        if self._held_report is None and self.tracker.ready_to_update_epoch:
-            self._global_step()
-        self._step_ended = time.perf_counter()
+        self._driver.step(batch_size, grad_scaler)
         return loss
+
+    def load_state_from_peers(self, timeout: float | None = None) -> bool:
+        """Download parameters, optimizer and scheduler state and epoch from up-to-date peers.
+
+        Returns:
+            Whether a state was loaded: False at once, keeping this peer's own state, when no
+            other peer shares one (the first peer of a run), as hivemind does.
+
+        Raises:
+            StateDownloadFailed: peers share a state, but none could provide a verified one
+                within the timeout.
+        """
+        return self._driver.load_from_peers(timeout)
 
     def share_state(self) -> None:
         """Serve this peer's current state to others and report its epoch, auxiliary or not.
@@ -422,7 +458,7 @@ class Optimizer(StateSharing, GlobalStep, torch.optim.Optimizer):
         joiners download it when no training peer has a newer one.
         """
         self.tracker.report_local_progress(self.local_epoch, 0)
-        self._publish_state(even_auxiliary=True)
+        self._driver.publish_state(even_auxiliary=True)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.reuse_grad_buffers:
@@ -430,155 +466,35 @@ class Optimizer(StateSharing, GlobalStep, torch.optim.Optimizer):
                 "with reuse_grad_buffers=True the gradients accumulate in .grad until the global "
                 "step, and kit clears them itself - help: remove the zero_grad() call"
             )
-        for param in self._params:
-            if param.grad is not None:
-                if set_to_none:
-                    param.grad = None
-                else:
-                    param.grad.detach_().zero_()
+        self._accumulated.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
-        self._finish_optimizer_step(wait=None)
+        self._driver.finish_optimizer_step(wait=None)
         state = self.opt.state_dict()
         state["kit_local_epoch"] = self.local_epoch
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._finish_optimizer_step(wait=None)
+        self._driver.finish_optimizer_step(wait=None)
         state_dict = dict(state_dict)
-        self.local_epoch = int(state_dict.pop("kit_local_epoch", self.local_epoch))
+        epoch = int(state_dict.pop("kit_local_epoch", self.local_epoch))
         self.opt.load_state_dict(state_dict)
-        self._set_drifted(True)  # a checkpoint need not match the collaboration
+        self._driver.act(self._driver.life.checkpoint_loaded(epoch))  # it may not match theirs
 
     def shutdown(self) -> None:
         try:
-            self._finish_optimizer_step(wait=None)
+            self._driver.finish_optimizer_step(wait=None)
         finally:
             self._inner.shutdown()
-            self._cancel_catch_up()
-            if self._prefetch is not None:
-                self._prefetch.cancel()
+            self._driver.sharing.shutdown()
             if self.grad_averager is not None:
                 self.grad_averager.shutdown()
             self.state_averager.shutdown()
+            self._stop_tracker()
 
-            async def stop(_: Any, node: Any) -> None:
-                await self.tracker.shutdown()
-
-            if self.dht.is_alive():
-                self.dht.run_coroutine(stop)
-
-    def _stop_prefetch_and_tracker(self) -> None:
-        """Undo what __init__ started before it failed (a bad optimizer factory, bad options)."""
-        if self._prefetch is not None:
-            self._prefetch.cancel()
-            self._prefetch = None
-
+    def _stop_tracker(self) -> None:
         async def stop(_: Any, node: Any) -> None:
             await self.tracker.shutdown()
 
         if self.dht.is_alive():
             self.dht.run_coroutine(stop)
-
-    def _finish_optimizer_step(self, wait: float | None) -> None:
-        """Apply a delayed optimizer step if it is over (``wait``: as ``InnerOptimizer.finish``)."""
-        if self._inner.finish(wait):
-            self._after_update()
-
-    def _after_update(self) -> None:
-        """At a safe point after an optimizer step: judge its round, share it, average it."""
-        self._conclude_round()
-        if self._roll_back_if_not_finite():
-            return  # nothing of that step is shared or averaged
-        self._report_progress()  # a report held while the round ran may go now
-        self._publish_state()
-        needed = state_averaging_needed(
-            self.local_epoch,
-            self.average_state_every,
-            local_updates=self.use_local_updates,
-            drifted=self._drifted,
-            others_drifted=self.tracker.others_drifted(self.local_epoch),
-        )
-        if not needed:
-            return
-        if self._state_round.running:
-            logger.debug(
-                "the previous parameter round still runs: skipping epoch %d's", self.local_epoch
-            )
-            return
-        # The group of the gradient round we just took part in is who will be here; the tracker
-        # may still see some of them at the previous epoch for a moment.
-        expected = self._last_group_size or self.tracker.peers_at_epoch(self.local_epoch)
-        self._state_round.start(
-            self._averaged.current(),
-            group_bits(self.local_epoch),
-            expected,
-            timeout=2 * self.matchmaking_time + 1.0,
-        )
-        if not self.delay_state_averaging:
-            self._finish_state_round(wait=None)
-
-    def _roll_back_if_not_finite(self) -> bool:
-        """Undo a step that left any parameter inf or NaN; True if it did.
-
-        Checked before the new parameters are shared, served or averaged, so a diverged peer
-        never spreads them (sahajBERT's trainer restored a copy for the same reason, recipes.md
-        §3.1). The peer reloads its last shared state (parameters, optimizer and scheduler, one
-        epoch back), flags itself drifted, and catches up with the others' current state at its
-        next step; ``nonfinite_rollbacks`` counts these (the volunteer's status shows it).
-        """
-        if all_finite(self._params):
-            return False
-        self.nonfinite_rollbacks += 1
-        snapshot = self._last_shared
-        logger.warning(
-            "a step left non-finite parameters: rolled back to the state of epoch %s and "
-            "catching up with peers (rollbacks so far: %d) - help: lower optimizer.lr or raise "
-            "optimizer.eps if this repeats",
-            snapshot.epoch if snapshot is not None else "?",
-            self.nonfinite_rollbacks,
-        )
-        if snapshot is not None:
-            self._load_snapshot(snapshot, keep_accumulated=False)
-        self._set_drifted(True)
-        return True
-
-    def _finish_state_round(self, wait: float | None) -> None:
-        if not self._state_round.running or self._inner.pending:
-            return  # never move the parameters under a running optimizer step
-        over, result = self._state_round.finish(wait)
-        if not over:
-            return
-        if result is not None:
-            logger.debug(
-                "parameters averaged with %d peers (full: %s)", len(result), result.is_full
-            )
-            if self._state_round.complete(result) and not self.use_local_updates:
-                self._set_drifted(False)
-            self._publish_state()
-
-    def _apply_background_work(self) -> None:
-        """The safe point: apply whatever finished in the background (never blocks)."""
-        self._finish_optimizer_step(wait=0.0)
-        self._finish_state_round(wait=0.0)
-        self._apply_catch_up()
-
-    def _set_drifted(self, drifted: bool) -> None:
-        self._drifted = drifted
-        self.tracker.set_drifted(drifted)
-
-    def _auxiliary_step(self) -> None:
-        """Auxiliary peers bring no gradients: they join the rounds when the others are ready."""
-        progress = self._runtime.call(self.tracker.wait_for_update(5.0), timeout=10.0)
-        if progress.epoch > self.local_epoch:
-            self.local_epoch = progress.epoch
-        if progress.ready:
-            self._average_gradients(self.local_epoch, 0)  # weight 0: it brings no samples
-            self.local_epoch = progress.epoch + 1
-            self.tracker.report_local_progress(self.local_epoch, 0)
-        else:
-            time.sleep(
-                min(1.0, max(0.05, progress.eta_next_epoch / 2))
-                if math.isfinite(progress.eta_next_epoch)
-                else 0.5
-            )

@@ -1,11 +1,13 @@
 """The gradient average of ``kit.Optimizer``, tagged with its epoch, and what its result means.
 
-Holds :func:`average_at_epoch` (blocking: form a group with the peers at the same epoch and
+Holds :class:`GradientRounds` (the gradient averager's driver: the mean gradient in, a round
+of one group or a Moshpit grid, "auto" deadlines, the average out to the inner optimizer, round
+listeners), :func:`average_at_epoch` (blocking: form a group with the peers at the same epoch and
 all-reduce; safe to call from the optimizer's background thread with ``delay_grad_averaging``),
 :func:`average_on_grid` (the same over a Moshpit grid, when more peers are expected than
-``target_group_size``), :class:`RoundOutcome` and :func:`group_bits`. It does not hold the
-averager (``kit.averaging``) nor decides when a round is due (``kit.optim.progress``,
-``kit.optim.optimizer``).
+``target_group_size``), :class:`RoundOutcome` (judged for the epoch machine, ``kit.optim.epochs``)
+and :func:`group_bits`. It does not hold the averager (``kit.averaging``) nor decides when a
+round is due (``kit.optim.epochs``).
 
 A global step keeps DeDLOC's meaning with Moshpit: the sample-weighted mean of the gradients of
 every peer of the epoch. Each peer averages with the weight of what its value stands for (its
@@ -16,7 +18,7 @@ all of them: the exact global-batch gradient, as with one group. When the grid i
 round fails for a peer (no group, or aborted: it keeps its value and weight and goes on), or a
 peer crashes mid-way, a peer may end with a weight below the epoch's total: it then steps with
 the exact mean of that part of the global batch, flags itself drifted (so parameters are
-averaged and, after a failed round, an exact state fetched: ``kit.optim.global_step``), and logs
+averaged and, after a failed round, an exact state fetched: ``kit.optim.epochs``), and logs
 the share it covered. The error this leaves is measured by ``benchmarks/swarm.py``.
 """
 
@@ -30,9 +32,13 @@ from collections.abc import Callable
 
 from kit.averaging.averager import DecentralizedAverager, RoundResult
 from kit.averaging.control import StepControl
+from kit.averaging.deadlines import Deadlines
 from kit.averaging.grid import GridAverage, rounds_for
 from kit.errors import AveragingFailed, KitError, KitTimeout, TransientError
+from kit.optim.accumulation import GradientAccumulator
+from kit.optim.epochs import Judgement
 from kit.optim.progress import ProgressTracker
+from kit.optim.stepping import InnerOptimizer
 from kit.p2p.identity import PeerID
 
 logger = logging.getLogger(__name__)
@@ -94,6 +100,15 @@ class RoundOutcome:
         if self.grid is not None:
             return self.grid.completed < self.grid.rounds or not self.grid.exact
         return self.result is None or not self.result.is_full
+
+    def judgement(self) -> Judgement:
+        """What the round means for the epoch machine (``kit.optim.epochs``)."""
+        return Judgement(
+            averaged=self.averaged,
+            identical=self.identical,
+            failed_or_partial=self.failed_or_partial,
+            group_size=self.group_size,
+        )
 
     def log(self) -> None:
         if self.grid is not None and not self.identical:
@@ -230,3 +245,129 @@ def _blocking_step(
             result.allreduce_time,
         )
     return result
+
+
+class GradientRounds:
+    """One gradient average per epoch with ``averager`` (the optimizer's gradient averager): one
+    group, or a Moshpit grid when more peers are expected than ``target_group_size``.
+
+    Args:
+        averager: the gradient averager (float32 CPU buffers shaped as the parameters).
+        tracker: the progress tracker (who is at which epoch).
+        deadlines: the matchmaking time and averaging timeout, fixed or "auto"
+            (``kit.averaging.deadlines``: updated before every round).
+        target_group_size: the largest group (None: one group of everyone).
+        me: this peer's id (its place on a grid).
+        exact_gradients: every member of a full round gets bit-identical gradients (an exact
+            codec, or one shared lossy average: ``kit.optim.state_averaging``).
+    """
+
+    def __init__(
+        self,
+        averager: DecentralizedAverager,
+        tracker: ProgressTracker,
+        *,
+        deadlines: Deadlines,
+        target_group_size: int | None,
+        me: PeerID,
+        exact_gradients: bool,
+    ) -> None:
+        self.averager = averager
+        self.tracker = tracker
+        self.deadlines = deadlines
+        self.target_group_size = target_group_size
+        self.me = me
+        self.matchmaking_time = deadlines.matchmaking_time(2)
+        self.averaging_timeout = deadlines.averaging_timeout(2)
+        self.exact_gradients = exact_gradients
+        self.listeners: list[Callable[[int, RoundResult], None]] = []
+
+    @property
+    def search_time(self) -> float:
+        """How long a round may look for its group (as average_at_epoch's search)."""
+        return 2 * self.matchmaking_time + 1.0
+
+    def take_mean(self, accumulated: GradientAccumulator) -> None:
+        """Put this epoch's mean gradient in the averager's buffers."""
+        with self.averager.get_tensors() as buffers:
+            accumulated.mean_gradient(buffers)
+
+    def give_to(self, inner: InnerOptimizer, *, reuse_grad_buffers: bool) -> None:
+        """Give the (averaged) buffers to the inner optimizer for its step."""
+        with self.averager.get_tensors() as buffers:
+            inner.set_gradients(buffers, reuse_grad_buffers=reuse_grad_buffers)
+
+    def average(
+        self, epoch: int, samples: int, *, last_group_size: int, exact_steps: bool
+    ) -> RoundOutcome:
+        """The average of ``epoch`` (blocking), weighted by ``samples``; listeners hear of it.
+
+        ``exact_steps``: this peer's optimizer steps bit-identically to the others'.
+        """
+        exact = self.exact_gradients and exact_steps
+        expected = expected_peers(self.tracker, epoch, last_group_size)
+        self._apply_deadlines(expected)
+        group_size = self.target_group_size
+        if group_size is not None and expected > group_size:
+            outcome = self._average_on_grid(epoch, samples, expected, group_size, exact)
+        else:
+            result, expected = average_at_epoch(
+                self.averager,
+                self.tracker,
+                epoch,
+                float(samples),
+                last_group_size=last_group_size,
+                matchmaking_time=self.matchmaking_time,
+                averaging_timeout=self.averaging_timeout,
+            )
+            if result is not None:
+                self._notify(epoch, result)
+            outcome = RoundOutcome(epoch, result, expected, exact)
+        result = outcome.result
+        if result is None:
+            if expected >= 2:
+                self.deadlines.observe_search(None, filled=False)
+            return outcome
+        filled = len(result) >= min(expected, self.target_group_size or expected)
+        self.deadlines.observe_search(result.matchmaking_time, filled=filled)
+        timed_out = not result.is_full and result.allreduce_time >= 0.9 * self.averaging_timeout
+        self.deadlines.observe_round(None if timed_out else result.allreduce_time)
+        return outcome
+
+    def _apply_deadlines(self, peers: int) -> None:
+        """``"auto"`` deadlines (kit.averaging.deadlines) for a round among ``peers``."""
+        if not self.deadlines.auto:
+            return
+        self.matchmaking_time = self.deadlines.matchmaking_time(peers)
+        self.averaging_timeout = self.deadlines.averaging_timeout(peers)
+        self.averager.set_deadlines(self.matchmaking_time, self.averaging_timeout)
+
+    def _average_on_grid(
+        self, epoch: int, samples: int, expected: int, group_size: int, exact: bool
+    ) -> RoundOutcome:
+        total = self.tracker.samples_at_epoch(epoch)
+
+        def first_round(index: int, result: RoundResult) -> None:
+            if index == 0:  # the members' own samples (later rounds weigh whole groups)
+                self._notify(epoch, result)
+
+        result, grid = average_on_grid(
+            self.averager,
+            self.tracker,
+            epoch,
+            float(samples),
+            me=self.me,
+            expected=expected,
+            group_size=group_size,
+            matchmaking_time=self.matchmaking_time,
+            averaging_timeout=self.averaging_timeout,
+            on_round=first_round,
+        )
+        return RoundOutcome(epoch, result, expected, exact, grid, total)
+
+    def _notify(self, epoch: int, result: RoundResult) -> None:
+        for listener in self.listeners:  # e.g. kit.metrics attests the group's weights
+            try:
+                listener(epoch, result)
+            except Exception:  # a listener's bug must not break training
+                logger.exception("a round listener failed")

@@ -1,10 +1,12 @@
-"""How a ``kit.Optimizer`` peer shares its training state and catches up with the others'.
+"""How a ``kit.Optimizer`` peer shares its training state and fetches the others'.
 
-Holds :class:`StateSharing`, the part of ``kit.Optimizer`` that snapshots its state after every
-update (served by ``kit.optim.state`` to late joiners), downloads the collaboration's state
-(``load_state_from_peers``, prefetched while the optimizer is set up), and catches up in the
-background after falling behind. It does not hold the wire protocol (``kit.optim.state``) nor
-the training step (``kit.optim.optimizer``).
+Holds :class:`StateSharing` (a part of ``kit.Optimizer``, with fields of its own): it snapshots
+the state after every update (served by ``kit.optim.state`` to late joiners), downloads the
+collaboration's state (``load_state_from_peers``, prefetched by :func:`start_download` while the
+optimizer is set up), and runs the background *refresh* download after the peer fell behind.
+*When* to refresh, and what a landed download means, is decided by the epoch machine
+(``kit.optim.epochs``); this module only moves state. It does not hold the wire protocol
+(``kit.optim.state``) nor the training step (``kit.optim.driver``).
 
 Catching up without stopping (a peer one or a few epochs behind: its round failed, or the state
 it downloaded was overtaken while it travelled, as happens when an epoch is shorter than a
@@ -15,8 +17,8 @@ in the background. The download lands at a safe point: loaded outright if it is 
 epoch (what it accumulated toward that epoch stays: computed on parameters one step old, which
 DeDLOC tolerates), or, if the peer stepped on meanwhile, added as a delta (state - parameters
 when the download began) so those steps are kept, as in delayed parameter averaging, and then
-fetched again (up to CATCH_UP_TRIES downloads) for an exact copy with the optimizer statistics;
-whatever remains is flagged as drift, which parameter averaging removes.
+fetched again (up to ``epochs.REFRESH_TRIES`` downloads) for an exact copy with the optimizer
+statistics; whatever remains is flagged as drift, which parameter averaging removes.
 """
 
 from __future__ import annotations
@@ -24,283 +26,218 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import time
 from typing import Any
 
 import torch
 
 from kit.errors import KitError, KitTimeout, StateDownloadFailed
-from kit.optim.accumulation import GradientAccumulator
-from kit.optim.progress import ProgressTracker
 from kit.optim.state import StateServer, StateSnapshot, download_state, find_donors
 from kit.optim.stepping import InnerOptimizer
-from kit.runtime import Runtime
 
 logger = logging.getLogger(__name__)
 
 CATCH_UP_TIMEOUT = 60.0  # a background catch-up download gives up after this (drift is flagged)
 DONOR_POLL = 0.5  # s between looks for a donor of a recent enough state
-PROGRESS_LOOK_TIMEOUT = 5.0  # a joiner's look at the progress before its first step, at most
-CATCH_UP_TRIES = 5  # downloads trying to land on our epoch exactly, before leaving it to averaging
-MAX_FAST_FORWARD = 16  # further behind than this many epochs, a peer downloads the state first
 
 SnapshotFuture = concurrent.futures.Future[StateSnapshot | None]
 
 
-class StateSharing:
-    """``kit.Optimizer``'s state sharing and catching up (a mixin: it uses the optimizer's fields)."""
+def start_download(
+    dht: Any,
+    run_id: str,
+    timeout: float,
+    *,
+    only_if_running: bool = False,
+    only_if_shared: bool = False,
+    min_epoch: int = 0,
+) -> SnapshotFuture:
+    """Start downloading the newest state of ``run_id`` from peers (on the runtime loop).
 
-    dht: Any
-    run_id: str
-    auxiliary: bool
-    reuse_grad_buffers: bool
-    load_state_timeout: float
-    local_epoch: int
-    scheduler: Any
-    opt: torch.optim.Optimizer
-    tracker: ProgressTracker
-    _inner: InnerOptimizer
-    _params: list[torch.Tensor]
-    _accumulated: GradientAccumulator
-    _extra: list[torch.Tensor]
-    _in_step: bool
-    _state_server: StateServer
-    _runtime: Runtime
-    _prefetch: SnapshotFuture | None
-    _catch_up: SnapshotFuture | None
-    _catch_up_base: list[torch.Tensor]
-    _catch_up_epoch: int
-    _catch_up_tries: int
-    _drifted: bool
-    _last_shared: StateSnapshot | None
+    ``only_if_running``: None at once if no peer advertises a state past epoch 0.
+    ``only_if_shared``: None at once if no other peer advertises a state at all.
+    ``min_epoch``: wait (until the timeout, then None) for a donor at this epoch or later.
+    """
 
-    def _finish_optimizer_step(self, wait: float | None) -> None:
-        raise NotImplementedError
-
-    def _set_drifted(self, drifted: bool) -> None:
-        raise NotImplementedError
-
-    def load_state_from_peers(self, timeout: float | None = None) -> bool:
-        """Download parameters, optimizer and scheduler state and epoch from up-to-date peers.
-
-        Returns:
-            Whether a state was loaded: False at once, keeping this peer's own state, when no
-            other peer shares one (the first peer of a run), as hivemind does.
-
-        Raises:
-            StateDownloadFailed: peers share a state, but none could provide a verified one
-                within the timeout.
-        """
-        started = time.perf_counter()
-        self._finish_optimizer_step(wait=None)
-        self._cancel_catch_up()
-        timeout = timeout or self.load_state_timeout
-        snapshot = None
-        prefetch, self._prefetch = self._prefetch, None
-        if prefetch is not None:  # begun in __init__: current unless the collaboration moved on
+    async def fetch(_: Any, node: Any) -> StateSnapshot | None:
+        # A download fails only if no donor could serve a verified state (a donor that moves
+        # on keeps serving the snapshot it started with); retry until the deadline.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        failures = 0
+        while True:
+            donors = await find_donors(node, node.peer, run_id)
+            if only_if_running and not any(d.epoch > 0 for d in donors):
+                return None
+            if only_if_shared and not donors:
+                return None
+            if min_epoch > 0 and not any(d.epoch >= min_epoch for d in donors):
+                if loop.time() + DONOR_POLL > deadline:
+                    return None
+                await asyncio.sleep(DONOR_POLL)
+                continue
             try:
-                snapshot = prefetch.result(timeout)
-            except (KitError, KitTimeout, concurrent.futures.TimeoutError) as e:
-                logger.info("prefetching the state failed (%s): downloading it again", e)
-            # A few epochs old is as good as a new download, which epochs shorter than a
-            # download overtake too: the first step joins the current epoch and catches up in
-            # the background (_fast_forward).
-            behind = self.tracker.global_progress.epoch - snapshot.epoch if snapshot else 0
-            if behind > MAX_FAST_FORWARD:
-                snapshot = None
-        if snapshot is None:
-            snapshot = self._download(timeout, only_if_shared=True).result(timeout + 30.0)
-        if snapshot is None:
-            logger.info("no other peer shares a state yet: keeping this peer's own")
-            return False
-        # The first step must see where the collaboration is now: look while the state loads.
-        looked = self._runtime.call(
-            self.tracker.wait_for_update(PROGRESS_LOOK_TIMEOUT), return_future=True
-        )
-        self._load_snapshot(snapshot, keep_accumulated=False)
-        try:
-            looked.result(PROGRESS_LOOK_TIMEOUT + 1.0)
-        except concurrent.futures.TimeoutError:
-            looked.cancel()  # the step goes on with the last view; the tracker keeps trying
-        logger.info(
-            "downloaded the state of epoch %d from peers in %.1f s",
-            self.local_epoch,
-            time.perf_counter() - started,
-        )
-        return True
+                begun = loop.time()
+                snapshot = await download_state(
+                    node.peer, donors, run_id, timeout=deadline - loop.time()
+                )
+                logger.debug(
+                    "state of epoch %d downloaded from %d donors in %.2f s",
+                    snapshot.epoch,
+                    len(donors),
+                    loop.time() - begun,
+                )
+                return snapshot
+            except StateDownloadFailed as e:
+                if loop.time() + 1.0 > deadline:
+                    raise
+                logger.info("state download failed (%s); trying again", e)
+                # Once at once (the donors moved on to a newer state: ask again), then
+                # with a pause (they are gone or failing: let the DHT catch up).
+                failures += 1
+                if failures > 1:
+                    await asyncio.sleep(0.5)
 
-    def _apply_catch_up(self) -> None:
-        """Load a finished background download (see ``_fast_forward``)."""
-        catch_up = self._catch_up
-        if catch_up is None or not catch_up.done() or self._inner.pending:
-            return
-        self._catch_up = None
-        base, self._catch_up_base = self._catch_up_base, []
-        try:
-            snapshot = catch_up.result()
-        except (KitError, KitTimeout, concurrent.futures.CancelledError) as e:
-            logger.info("catching up in the background failed (%s): averaging will fix it", e)
-            return
-        if snapshot is None:
-            return
-        if snapshot.epoch == self.local_epoch:
-            self._load_snapshot(snapshot, keep_accumulated=True)
-        elif snapshot.epoch > self.local_epoch:
-            self._load_snapshot(snapshot, keep_accumulated=False)
-        elif snapshot.epoch == self._catch_up_epoch and base:
-            # We stepped on while it travelled: keep those steps (the same averaged gradients
-            # as everyone's) on top of the state, the delta rule as for parameter averaging.
-            # Optimizer statistics stay ours: they differ less with every step (Adam's decay),
-            # and the drift flag keeps asking for parameter averaging to remove the rest.
-            params = self._checked_params(snapshot.state())
-            self._inner.add(
-                [theirs.float() - old for theirs, old in zip(params, base, strict=True)]
-            )
-            logger.info(
-                "caught up with epoch %d's state %d epochs late",
-                snapshot.epoch,
-                self.local_epoch - snapshot.epoch,
-            )
-            self._retry_catch_up()
-        else:
-            logger.info("the downloaded state (epoch %d) is already old", snapshot.epoch)
-            self._retry_catch_up()
+    future: SnapshotFuture = dht.run_coroutine(fetch, return_future=True)
+    return future
 
-    def _retry_catch_up(self) -> None:
-        """Fetch the state again, for an exact copy (optimizer statistics included) of our epoch.
 
-        Epochs may be shorter than a download: a few tries land on one; after that, the drift
-        flag leaves the rest to parameter averaging.
-        """
-        self._catch_up_tries += 1
-        if self._catch_up_tries < CATCH_UP_TRIES:
-            self._start_catch_up()
+class StateSharing:
+    """This peer's served state, its downloads, and its background refresh.
 
-    def _fast_forward(self, epoch: int) -> None:
-        logger.info(
-            "the collaboration moved to epoch %d: joining it, fetching its state meanwhile", epoch
-        )
-        self._finish_optimizer_step(wait=None)
-        self.local_epoch = epoch
-        self._accumulated.reset()
-        self._set_drifted(True)
-        self.tracker.report_local_progress(self.local_epoch, 0)
-        if self._prefetch is not None:  # taken before our epoch: too old to be of use now
-            self._prefetch.cancel()
-            self._prefetch = None
-        if self._catch_up is None:  # else the download under way brings a newer state than ours
-            self._catch_up_tries = 0
-            self._start_catch_up()
+    Args:
+        dht, run_id: where the state is served and found.
+        inner: the inner optimizer (parameters, their copies, its state).
+        extra: ``extra_tensors`` shared with the parameters.
+        scheduler: the learning-rate scheduler (its state travels too), or None.
+        server: serves this peer's snapshots.
+        prefetch: a download begun while the optimizer was built (``start_download``), or None.
+        load_state_timeout: the longest a download may take.
+    """
 
-    def _start_catch_up(self) -> None:
-        self._catch_up_epoch = self.local_epoch
-        self._catch_up_base = [p.detach().float().cpu().clone() for p in self._params]
-        # A state of our epoch at least: right after our round failed, the others may still be
-        # in theirs, advertising the previous epoch's state, which would be of no use.
-        self._catch_up = self._download(
-            min(CATCH_UP_TIMEOUT, self.load_state_timeout), min_epoch=self.local_epoch
-        )
-
-    def _cancel_catch_up(self) -> None:
-        if self._catch_up is not None:
-            self._catch_up.cancel()
-            self._catch_up = None
-
-    def _download(
+    def __init__(
         self,
-        timeout: float,
         *,
-        only_if_running: bool = False,
-        only_if_shared: bool = False,
-        min_epoch: int = 0,
-    ) -> concurrent.futures.Future[StateSnapshot | None]:
-        """Start downloading the newest state from peers (on the runtime loop).
+        dht: Any,
+        run_id: str,
+        inner: InnerOptimizer,
+        extra: list[torch.Tensor],
+        scheduler: Any,
+        server: StateServer,
+        prefetch: SnapshotFuture | None,
+        load_state_timeout: float,
+    ) -> None:
+        self.dht = dht
+        self.run_id = run_id
+        self.inner = inner
+        self.extra = extra
+        self.scheduler = scheduler
+        self.server = server
+        self.prefetch = prefetch
+        self.load_state_timeout = load_state_timeout
+        self.last_shared: StateSnapshot | None = None  # what a non-finite step rolls back to
+        self._refresh: SnapshotFuture | None = None
+        self._refresh_base: list[torch.Tensor] = []  # our parameters when the refresh began
 
-        ``only_if_running``: None at once if no peer advertises a state past epoch 0.
-        ``only_if_shared``: None at once if no other peer advertises a state at all.
-        ``min_epoch``: wait (until the timeout, then None) for a donor at this epoch or later.
-        """
+    # --- the prefetch and downloads -----------------------------------------------------------
 
-        async def fetch(_: Any, node: Any) -> StateSnapshot | None:
-            # A download fails only if no donor could serve a verified state (a donor that moves
-            # on keeps serving the snapshot it started with); retry until the deadline.
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + timeout
-            failures = 0
-            while True:
-                donors = await find_donors(node, node.peer, self.run_id)
-                if only_if_running and not any(d.epoch > 0 for d in donors):
-                    return None
-                if only_if_shared and not donors:
-                    return None
-                if min_epoch > 0 and not any(d.epoch >= min_epoch for d in donors):
-                    if loop.time() + DONOR_POLL > deadline:
-                        return None
-                    await asyncio.sleep(DONOR_POLL)
-                    continue
-                try:
-                    begun = loop.time()
-                    snapshot = await download_state(
-                        node.peer, donors, self.run_id, timeout=deadline - loop.time()
-                    )
-                    logger.debug(
-                        "state of epoch %d downloaded from %d donors in %.2f s",
-                        snapshot.epoch,
-                        len(donors),
-                        loop.time() - begun,
-                    )
-                    return snapshot
-                except StateDownloadFailed as e:
-                    if loop.time() + 1.0 > deadline:
-                        raise
-                    logger.info("state download failed (%s); trying again", e)
-                    # Once at once (the donors moved on to a newer state: ask again), then
-                    # with a pause (they are gone or failing: let the DHT catch up).
-                    failures += 1
-                    if failures > 1:
-                        await asyncio.sleep(0.5)
+    def cancel_prefetch(self) -> None:
+        if self.prefetch is not None:
+            self.prefetch.cancel()
+            self.prefetch = None
 
-        future: concurrent.futures.Future[StateSnapshot | None] = self.dht.run_coroutine(
-            fetch, return_future=True
-        )
-        return future
+    def take_prefetch(self, timeout: float) -> StateSnapshot | None:
+        """The prefetched state (None if there was none or it failed); the prefetch is used up."""
+        prefetch, self.prefetch = self.prefetch, None
+        if prefetch is None:
+            return None
+        try:
+            return prefetch.result(timeout)
+        except (KitError, KitTimeout, concurrent.futures.TimeoutError) as e:
+            logger.info("prefetching the state failed (%s): downloading it again", e)
+            return None
 
-    def _full_state(self) -> dict[str, Any]:
+    def download(self, timeout: float) -> StateSnapshot | None:
+        """The newest shared state, waiting for it (None at once if no other peer shares one)."""
+        future = start_download(self.dht, self.run_id, timeout, only_if_shared=True)
+        return future.result(timeout + 30.0)
+
+    # --- the background refresh ------------------------------------------------------------
+
+    @property
+    def refreshing(self) -> bool:
+        return self._refresh is not None
+
+    def start_refresh(self, min_epoch: int) -> None:
+        """Download a state of ``min_epoch`` or newer in the background; keep our parameters now
+        (the base of a delta, should we step on while it travels)."""
+        self._refresh_base = [p.detach().float().cpu().clone() for p in self.inner.params]
+        timeout = min(CATCH_UP_TIMEOUT, self.load_state_timeout)
+        self._refresh = start_download(self.dht, self.run_id, timeout, min_epoch=min_epoch)
+
+    def refresh_landed(self) -> tuple[bool, StateSnapshot | None]:
+        """(landed, state): whether the refresh ended (None: no state, or it failed)."""
+        refresh = self._refresh
+        if refresh is None or not refresh.done():
+            return False, None
+        self._refresh = None
+        try:
+            return True, refresh.result()
+        except (KitError, KitTimeout, concurrent.futures.CancelledError) as e:
+            self._refresh_base = []
+            logger.info("catching up in the background failed (%s): averaging will fix it", e)
+            return True, None
+
+    def add_refresh_delta(self, snapshot: StateSnapshot, epochs_late: int) -> None:
+        """We stepped on while ``snapshot`` travelled: move the parameters by (its parameters -
+        ours when the refresh began), keeping those steps on top of the others' state."""
+        base, self._refresh_base = self._refresh_base, []
+        params = self.checked_params(snapshot.state())
+        self.inner.add([theirs.float() - old for theirs, old in zip(params, base, strict=True)])
+        logger.info("caught up with epoch %d's state %d epochs late", snapshot.epoch, epochs_late)
+
+    def cancel_refresh(self) -> None:
+        if self._refresh is not None:
+            self._refresh.cancel()
+            self._refresh = None
+        self._refresh_base = []
+
+    # --- this peer's state ------------------------------------------------------------------
+
+    def full_state(self, epoch: int) -> dict[str, Any]:
         return {
-            "epoch": self.local_epoch,
-            "params": [p.detach() for p in self._params],
-            "extra": [t.detach() for t in self._extra],
-            "optimizer": self.opt.state_dict(),
+            "epoch": epoch,
+            "params": [p.detach() for p in self.inner.params],
+            "extra": [t.detach() for t in self.extra],
+            "optimizer": self.inner.opt.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
         }
 
-    def _publish_state(self, *, even_auxiliary: bool = False) -> None:
-        if self.auxiliary and not even_auxiliary:
-            return  # an auxiliary peer's parameters are not trained: nothing to share
+    def publish(self, epoch: int, *, drifted: bool) -> None:
+        """Serve a snapshot of the state now (the last shared one is what a rollback restores)."""
         try:
-            snapshot = StateSnapshot.capture(self.local_epoch, self._full_state(), digest=False)
+            snapshot = StateSnapshot.capture(epoch, self.full_state(epoch), digest=False)
         except KitError as e:
             logger.warning("cannot share the training state: %s", e)
             return
-
-        drifted = self._drifted
-        self._last_shared = snapshot  # what a non-finite step rolls back to (set at once)
+        self.last_shared = snapshot  # what a non-finite step rolls back to (set at once)
+        server = self.server
 
         async def publish(_: Any, node: Any) -> None:
-            await self._state_server.publish(snapshot, drifted=drifted)
+            await server.publish(snapshot, drifted=drifted)
 
         self.dht.run_coroutine(publish, return_future=True)
 
-    def _checked_params(self, state: Any) -> list[torch.Tensor]:
+    def checked_params(self, state: Any) -> list[torch.Tensor]:
         params = state.get("params") if isinstance(state, dict) else None
-        if not isinstance(params, list) or len(params) != len(self._params):
+        mine = self.inner.params
+        if not isinstance(params, list) or len(params) != len(mine):
             raise StateDownloadFailed(
                 "the peers' state has another number of parameters - help: check the model config"
             )
-        for mine, theirs in zip(self._params, params, strict=True):
-            if not isinstance(theirs, torch.Tensor) or tuple(mine.shape) != tuple(theirs.shape):
+        for ours, theirs in zip(mine, params, strict=True):
+            if not isinstance(theirs, torch.Tensor) or tuple(ours.shape) != tuple(theirs.shape):
                 raise StateDownloadFailed(
-                    f"a parameter from peers does not match {tuple(mine.shape)} here"
+                    f"a parameter from peers does not match {tuple(ours.shape)} here"
                     " - help: check that your model config matches the run's"
                 )
         return params
@@ -308,37 +245,33 @@ class StateSharing:
     def _checked_extra(self, state: dict[str, Any]) -> list[torch.Tensor]:
         """The state's ``extra_tensors``, shaped as ours (none if this run has none)."""
         extra = state.get("extra", [])
-        if not self._extra:
+        if not self.extra:
             return []
-        if not isinstance(extra, list) or len(extra) != len(self._extra):
+        if not isinstance(extra, list) or len(extra) != len(self.extra):
             raise StateDownloadFailed(
                 f"the peers' state has {len(extra) if isinstance(extra, list) else 'no'} extra "
-                f"tensors, {len(self._extra)} here - help: pass the same extra_tensors everywhere"
+                f"tensors, {len(self.extra)} here - help: pass the same extra_tensors everywhere"
             )
-        for mine, theirs in zip(self._extra, extra, strict=True):
+        for mine, theirs in zip(self.extra, extra, strict=True):
             if not isinstance(theirs, torch.Tensor) or tuple(mine.shape) != tuple(theirs.shape):
                 raise StateDownloadFailed(
                     f"an extra tensor from peers does not match {tuple(mine.shape)} here"
                 )
         return extra
 
-    def _load_snapshot(self, snapshot: StateSnapshot, *, keep_accumulated: bool) -> None:
-        """Load a downloaded state. ``keep_accumulated``: it is of our current epoch, and what we
-        accumulated toward it stays (computed on one-step-old parameters: DeDLOC tolerates it)."""
+    def load(self, snapshot: StateSnapshot) -> None:
+        """Load a state's tensors: parameters, extras, optimizer and scheduler (checked first)."""
         state = snapshot.state()
-        params = self._checked_params(state)
+        params = self.checked_params(state)
         extra = self._checked_extra(state)
-        self._inner.load(params)
+        self.inner.load(params)
         with torch.no_grad():
-            for mine, theirs in zip(self._extra, extra, strict=True):
+            for mine, theirs in zip(self.extra, extra, strict=True):
                 mine.copy_(theirs.to(device=mine.device, dtype=mine.dtype))
-        self.opt.load_state_dict(state["optimizer"])
+        self.inner.opt.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
-        self.local_epoch = snapshot.epoch
-        self._in_step = True
-        if not keep_accumulated:
-            self._accumulated.reset()
-        self._set_drifted(False)
-        self.tracker.report_local_progress(self.local_epoch, self._accumulated.samples)
-        self._publish_state()
+
+    def shutdown(self) -> None:
+        self.cancel_refresh()
+        self.cancel_prefetch()

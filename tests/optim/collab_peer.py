@@ -108,8 +108,8 @@ def main() -> int:
     # Let background work land (a catch-up download, a parameter round), and stay reachable for
     # late joiners until the test says so: training is fast, a joiner may start after the end.
     while time.monotonic() < deadline and (
-        opt._catch_up is not None
-        or opt._state_round.running
+        opt._driver.sharing.refreshing
+        or opt._driver.state_round.running
         or (args.linger_file and not os.path.exists(args.linger_file))
     ):
         opt.step(batch_size=0)

@@ -70,10 +70,13 @@ def test_a_non_finite_step_is_rolled_back_and_never_shared(dht, local_updates: b
         # What late joiners download and averaging reads: finite. It is published on the
         # runtime loop, which may not have run since the step (the GIL): wait for it, bounded.
         give_up = time.monotonic() + 10.0
-        while opt._state_server.snapshot is not opt._last_shared and time.monotonic() < give_up:
+        while (
+            opt._driver.sharing.server.snapshot is not opt._driver.sharing.last_shared
+            and time.monotonic() < give_up
+        ):
             time.sleep(0.01)
-        snapshot = opt._state_server.snapshot
-        assert snapshot is not None and snapshot is opt._last_shared
+        snapshot = opt._driver.sharing.server.snapshot
+        assert snapshot is not None and snapshot is opt._driver.sharing.last_shared
         assert all(torch.isfinite(t).all() for t in snapshot.tensors if t.is_floating_point())
         one_step(opt, model)  # training goes on
         assert opt.nonfinite_rollbacks == 1

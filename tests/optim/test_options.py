@@ -18,6 +18,7 @@ import torch
 
 import kit
 from kit.errors import ConfigError, KitUsageError
+from kit.optim.rounds import RoundOutcome
 from kit.optim.state_averaging import SAFETY_PERIOD, initialize_statistics, state_averaging_needed
 from tests.optim.reference import make_model, micro_batches, target_batch_size, train_reference
 
@@ -64,7 +65,7 @@ def train_exactly(
             ):
                 opt.step(batch_size=0)  # our shard is in: wait for the step to be applied
                 time.sleep(0.01)
-        while opt._state_round.running and time.monotonic() < deadline:
+        while opt._driver.state_round.running and time.monotonic() < deadline:
             opt.step(batch_size=0)  # let a background parameter round finish and land
             time.sleep(0.01)
     except BaseException as e:  # reported by the test's thread
@@ -168,10 +169,10 @@ def test_parameters_are_averaged_only_while_drifted() -> None:
 def test_a_lossy_gradient_codec_keeps_peers_identical_without_parameter_rounds() -> None:
     """fp16 gradients: every member decodes the same shared average (averaging/averages.py), so
     after the fresh peers' one parameter round the two stay bit-identical, and no more rounds."""
-    opts, models, stats = run_pair(
-        average_state_every=1, grad_compression=kit.Float16Compression()
+    opts, models, stats = run_pair(average_state_every=1, grad_compression=kit.Float16Compression())
+    assert all(
+        opt._driver.rounds is not None and opt._driver.rounds.exact_gradients for opt in opts
     )
-    assert all(opt._exact_gradients for opt in opts)
     for stat in stats:
         assert stat["full_rounds"] == 1 and stat["partial_rounds"] == 0
     first, second = ([p.detach().reshape(-1) for p in m.parameters()] for m in models)
@@ -248,27 +249,29 @@ def test_a_peer_whose_round_failed_fetches_the_others_state() -> None:
             for dht, model in zip(dhts, models, strict=True)
         ]
         failed: list[int] = []
-        average = opts[0]._average_gradients
+        rounds = opts[0]._driver.rounds
+        assert rounds is not None
+        average = rounds.average
 
-        def fail_once(epoch: int, samples: int) -> Any:
+        def fail_once(epoch: int, samples: int, **options: Any) -> RoundOutcome:
             if epoch == 1 and not failed:
                 failed.append(epoch)
-                return None, 3  # as if its group never formed
-            return average(epoch, samples)
+                return RoundOutcome(epoch, None, 3, exact=True)  # its group never formed
+            return average(epoch, samples, **options)
 
-        opts[0]._average_gradients = fail_once  # type: ignore[method-assign]
+        rounds.average = fail_once  # type: ignore[method-assign]
         try:
             train_all(opts, models, epochs=6)
             deadline = time.monotonic() + 30
-            while opts[0]._catch_up is not None and time.monotonic() < deadline:
+            while opts[0]._driver.sharing.refreshing and time.monotonic() < deadline:
                 opts[0].step(batch_size=0)  # let the download land
                 time.sleep(0.05)
             # The other two took every epoch's round, the failed one too (without peer 0).
-            rounds = [opt.grad_averager.statistics()["full_rounds"] for opt in opts[1:]]
+            full = [opt.grad_averager.statistics()["full_rounds"] for opt in opts[1:]]
         finally:
             for opt in opts:
                 opt.shutdown()
-    assert failed == [1] and rounds == [6, 6]
+    assert failed == [1] and full == [6, 6]
     flat = [torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in models]
     for other in flat[1:]:
         torch.testing.assert_close(flat[0], other, rtol=1e-6, atol=1e-7)

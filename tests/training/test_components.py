@@ -250,7 +250,7 @@ def test_the_ttt_recipe_trains_and_its_8bit_state_reaches_a_late_joiner() -> Non
         plan = TrainingPlan(micro_batch=2, accumulation_steps=2)
         trainer = Trainer(model, optimizer, random_batches(2), plan, clip_grad_norm=None)
         trainer.run(max_steps=4)  # 2 global steps: delayed, on 8-bit CPU statistics
-        optimizer._finish_optimizer_step(wait=None)
+        optimizer.state_dict()  # lands the delayed step
         assert optimizer.local_epoch >= 1 and trainer.status.rollbacks == 0
         statistics = [s for s in optimizer.opt.state.values() if s]
         assert statistics and any(s["state1"].dtype == torch.uint8 for s in statistics)

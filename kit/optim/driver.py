@@ -1,0 +1,445 @@
+"""The driver of ``kit.Optimizer``'s epochs: it feeds the epoch machine and carries out its actions.
+
+Holds :class:`EpochDriver`. The decisions (when to average, hold a report, fast-forward, refresh,
+flag drift) are the pure machine's (``kit.optim.epochs``); this module gives it events with the
+clock's ``now`` and the tracker's view, and acts with the optimizer's parts: the accumulator
+(``kit.optim.accumulation``), the gradient rounds (``kit.optim.rounds``), the inner optimizer
+(``kit.optim.stepping``), parameter rounds (``kit.optim.state_averaging``) and state sharing
+(``kit.optim.sharing``). It does not hold the public API (``kit.optim.optimizer``).
+
+Safe points: background work (a delayed optimizer step, a parameter round, a refresh download)
+lands only at the start of ``step`` (the caller's backward is done and its next forward has not
+begun) or when the optimizer must be settled (a global step, a download, ``state_dict``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kit.optim.accumulation import GradientAccumulator, all_finite
+from kit.optim.epochs import (
+    MAX_FAST_FORWARD,
+    Action,
+    AddRefreshDelta,
+    AverageGradients,
+    CancelPrefetch,
+    DropAccumulated,
+    EpochLife,
+    FlagDrift,
+    LoadRefresh,
+    Phase,
+    Position,
+    Publish,
+    Report,
+    ReportProgress,
+    StartRefresh,
+    StepWithoutRound,
+)
+from kit.optim.progress import ProgressTracker
+from kit.optim.rounds import GradientRounds, RoundOutcome, group_bits
+from kit.optim.sharing import StateSharing
+from kit.optim.state import StateSnapshot
+from kit.optim.state_averaging import AveragedTensors, DelayedStateAveraging, state_averaging_needed
+from kit.optim.stepping import InnerOptimizer
+from kit.runtime import Runtime
+
+logger = logging.getLogger(__name__)
+
+PROGRESS_LOOK_TIMEOUT = 5.0  # a joiner's look at the progress before its first step, at most
+
+
+class EpochDriver:
+    """Runs one peer's epochs (see the module); ``kit.Optimizer`` holds one.
+
+    Args:
+        life: the epoch machine.
+        inner, accumulated, tracker, sharing, state_round, averaged, runtime: the parts it acts
+            with; ``rounds`` is None with ``use_local_updates`` (no gradient averager).
+        options: ``kit.Optimizer``'s ``use_local_updates``, ``auxiliary``,
+            ``reuse_grad_buffers``, ``delay_grad_averaging``, ``delay_state_averaging``,
+            ``average_state_every``, ``load_state_timeout``, ``verbose`` (``OPTIONS``), and
+            ``matchmaking_time`` (of parameter rounds without gradient rounds).
+        clock: monotonic seconds, the machine's ``now`` (read here only).
+    """
+
+    OPTIONS = (  # kit.Optimizer's options it reads (see there)
+        "use_local_updates",
+        "auxiliary",
+        "reuse_grad_buffers",
+        "delay_grad_averaging",
+        "delay_state_averaging",
+        "average_state_every",
+        "load_state_timeout",
+        "verbose",
+    )
+
+    def __init__(
+        self,
+        *,
+        life: EpochLife,
+        inner: InnerOptimizer,
+        accumulated: GradientAccumulator,
+        tracker: ProgressTracker,
+        rounds: GradientRounds | None,
+        sharing: StateSharing,
+        state_round: DelayedStateAveraging,
+        averaged: AveragedTensors,
+        runtime: Runtime,
+        options: dict[str, Any],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.life = life
+        self.inner = inner
+        self.accumulated = accumulated
+        self.tracker = tracker
+        self.rounds = rounds
+        self.sharing = sharing
+        self.state_round = state_round
+        self.averaged = averaged
+        self.runtime = runtime
+        self.clock = clock  # the epoch machine's "now" (held reports' deadlines)
+        self.local_updates: bool = options["use_local_updates"]
+        self.auxiliary: bool = options["auxiliary"]
+        self.reuse_grad_buffers: bool = options["reuse_grad_buffers"]
+        self.delay_grad_averaging: bool = options["delay_grad_averaging"]
+        self.delay_state_averaging: bool = options["delay_state_averaging"]
+        self.average_state_every: int = options["average_state_every"]
+        self.matchmaking_time: float = options["matchmaking_time"]
+        self.load_state_timeout: float = options["load_state_timeout"]
+        self.verbose: bool = options["verbose"]
+        # False when this peer's inner optimizer computes differently from the others' (8-bit
+        # statistics chosen by its memory plan): its steps are never bit-identical to theirs,
+        # so every round marks it drifted and parameter averaging pulls it back.
+        self.exact_steps = True
+        self.nonfinite_rollbacks = 0  # steps undone because they left a parameter non-finite
+        self._outcome: RoundOutcome | None = None  # of the last gradient round, to judge
+        self._step_ended: float | None = None  # when the last step() returned (perf_counter)
+
+    # --- a step -----------------------------------------------------------------------------
+
+    def step(self, batch_size: int, grad_scaler: Any) -> None:
+        """``kit.Optimizer.step`` of a training peer (see its module for the whole story)."""
+        self.apply_background_work()
+        position = self._position()
+        if position is Position.STEP_WITH_THEM:
+            self.global_step()  # local updates: a peer a moment ahead counted our samples
+            position = self._position()
+        if position is Position.DOWNLOAD_FIRST:
+            self.load_from_peers()  # a fresh peer, or too far behind: catch up first
+            self._step_ended = None  # the download is no training time
+            return
+        if position is Position.FAST_FORWARD:
+            self.finish_optimizer_step(wait=None)
+            self._fast_forward(self.life.fast_forward(self.tracker.global_progress.epoch))
+        finite = batch_size > 0 and self.accumulated.add(batch_size, grad_scaler)
+        if finite and self.local_updates:
+            self.inner.opt.step()
+            self.roll_back_if_not_finite()
+        if finite and self._step_ended is not None:  # local throughput, global steps excluded
+            elapsed = time.perf_counter() - self._step_ended
+            self.tracker.performance_ema.update(batch_size, elapsed)
+        self.report()
+        if self.life.may_step() and self.tracker.ready_to_update_epoch:
+            self.global_step()
+        self._step_ended = time.perf_counter()
+
+    def _position(self) -> Position:
+        return self.life.position(
+            self.tracker.global_progress.epoch,
+            has_samples=self.accumulated.samples > 0,
+            local_updates=self.local_updates,
+        )
+
+    def global_step(self) -> None:
+        """The collaboration has the target batch: average, step, move to the next epoch."""
+        epoch = self.life.epoch
+        self.finish_optimizer_step(wait=None)  # one optimizer step in flight at a time
+        samples = self.accumulated.samples
+        actions = self.life.ready(
+            self.tracker.global_progress.epoch,
+            samples,
+            local_updates=self.local_updates,
+            background=self.delay_grad_averaging,
+        )
+        if self.life.phase is Phase.ACCUMULATING:  # the others took this step without us
+            self._fast_forward(actions)
+            return
+        if samples == 0 and not self.local_updates:
+            logger.info("no samples at epoch %d: waiting for the state of the next epoch", epoch)
+        self.act(actions)
+        if self.verbose and self.life.epoch == epoch + 1:
+            num_peers = self.tracker.global_progress.num_peers
+            logger.info("epoch %d done (%d peers)", self.life.epoch, num_peers)
+
+    def _average(self, action: AverageGradients) -> None:
+        rounds = self._rounds()
+        rounds.take_mean(self.accumulated)
+        epoch, samples, last_group_size = action.epoch, action.samples, self.life.last_group_size
+        if action.background:
+            # delay_grad_averaging: the round and the optimizer step run in the background
+            # thread while this peer computes the next epoch's batches; the result lands at a
+            # safe point (one step stale, as in hivemind).
+            def average() -> None:  # in the optimizer's thread
+                self._outcome = rounds.average(
+                    epoch, samples, last_group_size=last_group_size, exact_steps=self.exact_steps
+                )
+                rounds.give_to(self.inner, reuse_grad_buffers=False)
+
+            scheduler = self.sharing.scheduler
+            self.inner.step(True, scheduler, reuse_grad_buffers=False, before=average)
+            self.act(self.life.round_began_in_background())
+            return
+        outcome = rounds.average(
+            epoch, samples, last_group_size=last_group_size, exact_steps=self.exact_steps
+        )
+        forward = self.life.round_ended(
+            self.clock(),
+            averaged=outcome.result is not None,
+            global_epoch=self.tracker.global_progress.epoch,
+            samples=samples,
+            hold_for=rounds.search_time,
+        )
+        if self.life.phase is Phase.ACCUMULATING:  # our samples came too late for that step
+            self._fast_forward(forward)
+            return
+        self._outcome = outcome
+        rounds.give_to(self.inner, reuse_grad_buffers=self.reuse_grad_buffers)
+        self.act(self.life.stepped())
+        self._step_inner(apply=True)
+
+    def _step_inner(self, *, apply: bool) -> None:
+        reuse = self.reuse_grad_buffers
+        self.inner.step(apply, self.sharing.scheduler, reuse_grad_buffers=reuse)
+        if not self.inner.pending:
+            self.after_update()
+
+    def _fast_forward(self, actions: list[Action]) -> None:
+        logger.info(
+            "the collaboration moved to epoch %d: joining it, fetching its state meanwhile",
+            self.life.epoch,
+        )
+        self.act(actions)
+
+    def report(self) -> None:
+        """Publish our progress, or the report the epoch machine holds."""
+        held = self.life.held
+        after_failure = held is not None and self.life.report is Report.HELD_AFTER_FAILURE
+        others = self.tracker.others_at_epoch(held[0]) if after_failure and held else 0
+        samples = self.accumulated.samples
+        running = self.inner.pending
+        self.act(
+            self.life.report_now(self.clock(), samples, step_running=running, others_at_held=others)
+        )
+
+    def act(self, actions: list[Action]) -> None:
+        """Carry out the epoch machine's actions, in order."""
+        for action in actions:
+            if isinstance(action, Publish):
+                self.tracker.report_local_progress(action.epoch, action.samples)
+            elif isinstance(action, ReportProgress):
+                self.report()
+            elif isinstance(action, FlagDrift):
+                self.tracker.set_drifted(action.drifted)
+            elif isinstance(action, DropAccumulated):
+                self.accumulated.reset(clear_grads=action.clear_grads)
+            elif isinstance(action, CancelPrefetch):
+                self.sharing.cancel_prefetch()
+            elif isinstance(action, StartRefresh):
+                self.sharing.start_refresh(action.min_epoch)
+            elif isinstance(action, AverageGradients):
+                self._average(action)
+            elif isinstance(action, StepWithoutRound):
+                self._step_inner(apply=False)
+            else:  # LoadRefresh, AddRefreshDelta: with the landed state (apply_refresh)
+                raise AssertionError(f"{action} needs a landed state")
+
+    # --- safe points ------------------------------------------------------------------------
+
+    def apply_background_work(self) -> None:
+        """The safe point: apply whatever finished in the background (never blocks)."""
+        self.finish_optimizer_step(wait=0.0)
+        self.finish_state_round(wait=0.0)
+        self.apply_refresh()
+
+    def finish_optimizer_step(self, wait: float | None) -> None:
+        """Apply a delayed optimizer step if it is over (``wait``: as ``InnerOptimizer.finish``)."""
+        if self.inner.finish(wait):
+            self.after_update()
+
+    def after_update(self) -> None:
+        """At a safe point after an optimizer step: judge its round, share it, average it."""
+        outcome, self._outcome = self._outcome, None
+        judgement = None
+        if outcome is not None:
+            outcome.log()
+            judgement = outcome.judgement()
+        # Someone to refresh from (only asked when it matters: the view costs an aggregate).
+        others = judgement is not None and judgement.failed_or_partial
+        others = others and self.tracker.global_progress.num_peers > 1
+        hold_for = self.rounds.search_time if self.rounds is not None else 0.0
+        self.act(self.life.concluded(self.clock(), judgement, others=others, hold_for=hold_for))
+        if self.roll_back_if_not_finite():
+            return  # nothing of that step is shared or averaged
+        self.report()  # a report held while the round ran may go now
+        self.publish_state()
+        epoch = self.life.epoch
+        needed = state_averaging_needed(
+            epoch,
+            self.average_state_every,
+            local_updates=self.local_updates,
+            drifted=self.life.drifted,
+            others_drifted=self.tracker.others_drifted(epoch),
+        )
+        if not needed:
+            return
+        if self.state_round.running:
+            logger.debug("the previous parameter round still runs: skipping epoch %d's", epoch)
+            return
+        # The group of the gradient round we just took part in is who will be here; the tracker
+        # may still see some of them at the previous epoch for a moment.
+        expected = self.life.last_group_size or self.tracker.peers_at_epoch(epoch)
+        self.state_round.start(
+            self.averaged.current(),
+            group_bits(epoch),
+            expected,
+            timeout=self.rounds.search_time if self.rounds else 2 * self.matchmaking_time + 1.0,
+        )
+        if not self.delay_state_averaging:
+            self.finish_state_round(wait=None)
+
+    def roll_back_if_not_finite(self) -> bool:
+        """Undo a step that left any parameter inf or NaN; True if it did.
+
+        Checked before the new parameters are shared, served or averaged, so a diverged peer
+        never spreads them (sahajBERT's trainer restored a copy for the same reason, recipes.md
+        §3.1). The peer reloads its last shared state (parameters, optimizer and scheduler, one
+        epoch back), flags itself drifted, and catches up with the others' current state at its
+        next step; ``nonfinite_rollbacks`` counts these (the volunteer's status shows it).
+        """
+        if all_finite(self.inner.params):
+            return False
+        self.nonfinite_rollbacks += 1
+        snapshot = self.sharing.last_shared
+        logger.warning(
+            "a step left non-finite parameters: rolled back to the state of epoch %s and "
+            "catching up with peers (rollbacks so far: %d) - help: lower optimizer.lr or raise "
+            "optimizer.eps if this repeats",
+            snapshot.epoch if snapshot is not None else "?",
+            self.nonfinite_rollbacks,
+        )
+        if snapshot is not None:
+            self.finish_optimizer_step(wait=None)  # (local updates: a scheduler step in flight)
+            self.load(snapshot, keep_accumulated=False)
+        self.act(self.life.drifted_by())
+        return True
+
+    def finish_state_round(self, wait: float | None) -> None:
+        if not self.state_round.running or self.inner.pending:
+            return  # never move the parameters under a running optimizer step
+        over, result = self.state_round.finish(wait)
+        if not over or result is None:
+            return
+        logger.debug("parameters averaged with %d peers (full: %s)", len(result), result.is_full)
+        complete = self.state_round.complete(result)
+        self.act(self.life.parameters_averaged(complete=complete, local_updates=self.local_updates))
+        self.publish_state()
+
+    # --- the state --------------------------------------------------------------------------
+
+    def publish_state(self, *, even_auxiliary: bool = False) -> None:
+        if self.auxiliary and not even_auxiliary:
+            return  # an auxiliary peer's parameters are not trained: nothing to share
+        self.sharing.publish(self.life.epoch, drifted=self.life.drifted)
+
+    def load(self, snapshot: StateSnapshot, *, keep_accumulated: bool) -> None:
+        """Load a state. ``keep_accumulated``: it is of our current epoch, and what we
+        accumulated toward it stays (computed on one-step-old parameters: DeDLOC tolerates it)."""
+        self.sharing.load(snapshot)
+        samples = self.accumulated.samples
+        self.act(self.life.state_loaded(snapshot.epoch, samples, keep_accumulated=keep_accumulated))
+        self.publish_state()
+
+    def apply_refresh(self) -> None:
+        """Land a finished background download as the epoch machine says."""
+        if not self.sharing.refreshing or self.inner.pending:
+            return
+        landed, snapshot = self.sharing.refresh_landed()
+        if not landed:
+            return
+        old = snapshot is not None and snapshot.epoch < self.life.epoch
+        actions = self.life.refresh_landed(snapshot.epoch if snapshot is not None else None)
+        if old and snapshot is not None and AddRefreshDelta() not in actions:
+            logger.info("the downloaded state (epoch %d) is already old", snapshot.epoch)
+        for action in actions:
+            if isinstance(action, LoadRefresh):
+                assert snapshot is not None
+                self.load(snapshot, keep_accumulated=action.keep_accumulated)
+            elif isinstance(action, AddRefreshDelta):
+                assert snapshot is not None
+                self.sharing.add_refresh_delta(snapshot, self.life.epoch - snapshot.epoch)
+            else:
+                self.act([action])
+
+    def load_from_peers(self, timeout: float | None = None) -> bool:
+        """``kit.Optimizer.load_state_from_peers`` (see there)."""
+        started = time.perf_counter()
+        self.finish_optimizer_step(wait=None)
+        self.sharing.cancel_refresh()
+        self.act(self.life.downloading_first())
+        timeout = timeout or self.load_state_timeout
+        snapshot = self.sharing.take_prefetch(timeout)  # begun in __init__: current unless...
+        # ...the collaboration moved on. A few epochs old is as good as a new download, which
+        # epochs shorter than a download overtake too: the first step joins the current epoch
+        # and refreshes in the background (a fast-forward).
+        behind = self.tracker.global_progress.epoch - snapshot.epoch if snapshot else 0
+        if behind > MAX_FAST_FORWARD:
+            snapshot = None
+        if snapshot is None:
+            snapshot = self.sharing.download(timeout)
+        if snapshot is None:
+            logger.info("no other peer shares a state yet: keeping this peer's own")
+            return False
+        # The first step must see where the collaboration is now: look while the state loads.
+        looked = self.runtime.call(
+            self.tracker.wait_for_update(PROGRESS_LOOK_TIMEOUT), return_future=True
+        )
+        self.load(snapshot, keep_accumulated=False)
+        try:
+            looked.result(PROGRESS_LOOK_TIMEOUT + 1.0)
+        except concurrent.futures.TimeoutError:
+            looked.cancel()  # the step goes on with the last view; the tracker keeps trying
+        logger.info(
+            "downloaded the state of epoch %d from peers in %.1f s",
+            self.life.epoch,
+            time.perf_counter() - started,
+        )
+        return True
+
+    # --- auxiliary peers --------------------------------------------------------------------
+
+    def auxiliary_step(self) -> None:
+        """Auxiliary peers bring no gradients: they join the rounds when the others are ready."""
+        progress = self.runtime.call(self.tracker.wait_for_update(5.0), timeout=10.0)
+        self.life.auxiliary_saw(progress.epoch, joined_round=False)
+        if progress.ready:
+            last_group_size = self.life.last_group_size
+            self._rounds().average(  # weight 0: it brings no samples
+                self.life.epoch, 0, last_group_size=last_group_size, exact_steps=self.exact_steps
+            )
+            self.life.auxiliary_saw(progress.epoch, joined_round=True)
+            self.tracker.report_local_progress(self.life.epoch, 0)
+        else:
+            time.sleep(
+                min(1.0, max(0.05, progress.eta_next_epoch / 2))
+                if math.isfinite(progress.eta_next_epoch)
+                else 0.5
+            )
+
+    def _rounds(self) -> GradientRounds:
+        assert self.rounds is not None, "gradient rounds need the gradient averager"
+        return self.rounds

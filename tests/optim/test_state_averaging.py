@@ -1,0 +1,70 @@
+"""Parameter rounds: what they average, and the delayed round applied as a delta.
+
+The averager is a recorder here (its step a ``StepControl`` the test completes); the swarm tests
+in test_options.py run real rounds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kit.errors import AveragingFailed
+from kit.optim.state_averaging import AveragedTensors, DelayedStateAveraging, initialize_statistics
+from kit.optim.stepping import InnerOptimizer
+from tests.optim.recorders import Averager, Result
+
+
+def adam_inner() -> tuple[torch.nn.Module, InnerOptimizer]:
+    torch.manual_seed(0)
+    net = torch.nn.Linear(2, 2)
+    inner = InnerOptimizer(
+        lambda p: torch.optim.Adam(p, lr=0.1), net.parameters(), copies=True, delay=False
+    )
+    initialize_statistics(inner.opt, ("exp_avg_sq",))
+    return net, inner
+
+
+def test_averaged_tensors_are_parameters_then_statistics_then_extras() -> None:
+    net, inner = adam_inner()
+    extra = torch.zeros(4)
+    averaged = AveragedTensors(inner, ("exp_avg_sq",), [extra])
+    current = averaged.current()
+    assert len(current) == 2 + 2 + 1
+    assert current[0] is net.weight and current[-1] is extra
+    assert current[2] is inner.opt.state[inner.master[0]]["exp_avg_sq"]
+    averaged.add([torch.ones_like(t) for t in current])
+    assert torch.all(extra == 1.0) and torch.all(current[2] == 1.0)
+    torch.testing.assert_close(inner.master[0], net.weight.detach())  # the copies moved too
+
+
+def test_a_delayed_round_applies_its_delta_on_top_of_what_happened_meanwhile() -> None:
+    buffers = [torch.zeros(3)]
+    averager = Averager(buffers)
+    applied: list[list[torch.Tensor]] = []
+    rounds = DelayedStateAveraging(averager, applied.append)  # type: ignore[arg-type]
+    param = torch.tensor([1.0, 2.0, 3.0])
+    rounds.start([param], "0101", expected=3, timeout=5.0)
+    assert rounds.running and averager.bits == ["0101"] and averager.targets == [3]
+    assert torch.equal(buffers[0], param)  # a copy of the parameters when it started
+    assert rounds.finish(wait=0.0) == (False, None)  # still running
+    buffers[0].copy_(torch.tensor([2.0, 2.0, 2.0]))  # the group's average
+    result = Result(3)
+    averager.steps[0].set_result(result)
+    over, got = rounds.finish(wait=0.0)
+    assert over and got is result and not rounds.running
+    torch.testing.assert_close(applied[0][0], torch.tensor([1.0, 0.0, -1.0]))
+    assert rounds.complete(result) and not rounds.complete(Result(2))
+    assert not rounds.complete(Result(3, is_full=False)) and not rounds.complete(None)
+
+
+def test_a_round_without_a_group_applies_nothing() -> None:
+    averager = Averager([torch.zeros(2)])
+    applied: list[Any] = []
+    rounds = DelayedStateAveraging(averager, applied.append)  # type: ignore[arg-type]
+    rounds.start([torch.ones(2)], "0", expected=1, timeout=5.0)
+    assert averager.targets == [None]  # alone: no target size
+    averager.steps[0].set_exception(AveragingFailed("no group"))
+    assert rounds.finish(wait=0.0) == (True, None) and applied == []
+    assert rounds.finish(wait=0.0) == (True, None)  # nothing running
