@@ -25,7 +25,7 @@ from kit.averaging.allreduce import AllReduceRunner, AveragingMode, Timeouts, ca
 from kit.averaging.chunk_stream import RoundBuffers
 from kit.averaging.compression import DTYPE_NAMES, TensorDescriptor
 from kit.averaging.control import AveragingStage, StepControl
-from kit.averaging.group import GroupInfo, schema_hash
+from kit.averaging.group import MAX_GROUP_SIZE, GroupInfo, schema_hash
 from kit.averaging.matchmaking import MemberInfo
 from kit.averaging.matchmaking_driver import AveragingRouter, MatchmakingDriver
 from kit.averaging.partition import PartitionPlan, RoundReport
@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 BANDWIDTH_EMA_ALPHA = 0.3  # weight of the newest round in the measured bandwidth
 MIN_MEASURED_BYTES = 2**20  # smaller rounds are latency-bound: they say nothing of bandwidth
-MAX_WAITING_STREAMS = 64  # all-reduce streams that arrived before their round started here
+MAX_WAITING_STREAMS = MAX_GROUP_SIZE  # all-reduce streams that came before their round began here
 RETRY_PAUSE = 0.1  # s between a failed round and the next search (a group failing at once)
 STAT_KEYS = (  # statistics() counters
     "full_rounds",  # every part averaged over every sender

@@ -12,11 +12,13 @@ import types
 import pytest
 import torch
 
+from kit.averaging.deadlines import Deadlines
 from kit.errors import AveragingFailed
 from kit.optim.accumulation import GradientAccumulator
 from kit.optim.epochs import Judgement
 from kit.optim.rounds import GradientRounds, RoundOutcome, average_at_epoch, group_bits
 from kit.optim.stepping import InnerOptimizer
+from kit.p2p.identity import PeerID
 from tests.optim.recorders import Averager, Result
 
 
@@ -73,8 +75,9 @@ def test_a_round_expects_the_peers_with_samples_at_its_epoch() -> None:
         4,
         32.0,
         last_group_size=0,
-        matchmaking_time=0.5,
-        averaging_timeout=5.0,
+        deadlines=Deadlines.create(0.5, 5.0, 8),
+        target_group_size=None,
+        me=PeerID(bytes(32)),
     )
     assert result is not None and len(result) == 3 and expected == 3
     assert (
@@ -95,8 +98,9 @@ def test_without_reports_of_samples_a_round_expects_the_last_group(
         4,
         32.0,
         last_group_size=last,
-        matchmaking_time=0.5,
-        averaging_timeout=5.0,
+        deadlines=Deadlines.create(0.5, 5.0, 8),
+        target_group_size=None,
+        me=PeerID(bytes(32)),
     )
     assert result is None and averager.targets == [target]
 
@@ -120,8 +124,9 @@ def test_gradient_rounds_feed_the_optimizer_and_tell_listeners() -> None:
     rounds = GradientRounds(
         averager,  # type: ignore[arg-type]
         Tracker(with_samples=2, at_epoch=2),  # type: ignore[arg-type]
-        matchmaking_time=0.5,
-        averaging_timeout=5.0,
+        deadlines=Deadlines.create(0.5, 5.0, 8),
+        target_group_size=None,
+        me=PeerID(bytes(32)),
         exact_gradients=True,
     )
     heard: list[tuple[int, int]] = []
