@@ -75,9 +75,8 @@ def test_a_round_expects_the_peers_with_samples_at_its_epoch() -> None:
         4,
         32.0,
         last_group_size=0,
-        deadlines=Deadlines.create(0.5, 5.0, 8),
-        target_group_size=None,
-        me=PeerID(bytes(32)),
+        matchmaking_time=0.5,
+        averaging_timeout=5.0,
     )
     assert result is not None and len(result) == 3 and expected == 3
     assert (
@@ -98,9 +97,8 @@ def test_without_reports_of_samples_a_round_expects_the_last_group(
         4,
         32.0,
         last_group_size=last,
-        deadlines=Deadlines.create(0.5, 5.0, 8),
-        target_group_size=None,
-        me=PeerID(bytes(32)),
+        matchmaking_time=0.5,
+        averaging_timeout=5.0,
     )
     assert result is None and averager.targets == [target]
 
