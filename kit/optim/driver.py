@@ -22,24 +22,20 @@ from collections.abc import Callable
 from typing import Any
 
 from kit.optim.accumulation import GradientAccumulator, all_finite
-from kit.optim.epochs import (
-    MAX_FAST_FORWARD,
+from kit.optim.epoch_actions import (
     Action,
     AddRefreshDelta,
     AverageGradients,
     CancelPrefetch,
     DropAccumulated,
-    EpochLife,
     FlagDrift,
     LoadRefresh,
-    Phase,
-    Position,
     Publish,
-    Report,
     ReportProgress,
     StartRefresh,
     StepWithoutRound,
 )
+from kit.optim.epochs import MAX_FAST_FORWARD, EpochLife, Phase, Position, Report
 from kit.optim.progress import ProgressTracker
 from kit.optim.rounds import GradientRounds, RoundOutcome, group_bits
 from kit.optim.sharing import StateSharing
@@ -303,6 +299,7 @@ class EpochDriver:
         # The group of the gradient round we just took part in is who will be here; the tracker
         # may still see some of them at the previous epoch for a moment.
         expected = self.life.last_group_size or self.tracker.peers_at_epoch(epoch)
+        self.life.parameter_round_began()
         self.state_round.start(
             self.averaged.current(),
             group_bits(epoch),

@@ -33,8 +33,22 @@ the driver and raises ``AssertionError``):
 
 from __future__ import annotations
 
-import dataclasses
 import enum
+
+from kit.optim.epoch_actions import (
+    Action,
+    AddRefreshDelta,
+    AverageGradients,
+    CancelPrefetch,
+    DropAccumulated,
+    FlagDrift,
+    Judgement,
+    LoadRefresh,
+    Publish,
+    ReportProgress,
+    StartRefresh,
+    StepWithoutRound,
+)
 
 MAX_FAST_FORWARD = 16  # further behind than this many epochs, a peer downloads the state first
 REFRESH_TRIES = 5  # downloads trying to land on our epoch exactly, before leaving it to averaging
@@ -126,100 +140,6 @@ class Position(enum.Enum):
     FAST_FORWARD = "fast forward"  # a few epochs behind: join the current one, refresh meanwhile
 
 
-# --- actions: what the drivers do ---------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Publish:
-    """Report this progress to the tracker."""
-
-    epoch: int
-    samples: int
-
-
-@dataclasses.dataclass(frozen=True)
-class ReportProgress:
-    """Publish our progress now, as :meth:`EpochLife.report_now` says with the tracker's view."""
-
-
-@dataclasses.dataclass(frozen=True)
-class FlagDrift:
-    """Publish the drift flag (the tracker publishes it with the progress)."""
-
-    drifted: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class DropAccumulated:
-    """Start accumulating afresh (``clear_grads``: and clear ``.grad``)."""
-
-    clear_grads: bool = True
-
-
-@dataclasses.dataclass(frozen=True)
-class CancelPrefetch:
-    """The state prefetched while the optimizer was built is moot now."""
-
-
-@dataclasses.dataclass(frozen=True)
-class StartRefresh:
-    """Download the collaboration's state (of ``min_epoch`` or newer) in the background; keep
-    a copy of the parameters now, for a delta should we step on meanwhile."""
-
-    min_epoch: int
-
-
-@dataclasses.dataclass(frozen=True)
-class LoadRefresh:
-    """Load the landed download (then :meth:`EpochLife.state_loaded`)."""
-
-    keep_accumulated: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class AddRefreshDelta:
-    """Move the parameters by (landed state - parameters when the download began)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class AverageGradients:
-    """Average this epoch's mean gradient (weighted by ``samples``), then step with it; in the
-    optimizer's thread while the next batches compute if ``background``."""
-
-    epoch: int
-    samples: int
-    background: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class StepWithoutRound:
-    """Step the scheduler (and the optimizer on local updates): no gradient round this epoch."""
-
-
-Action = (
-    Publish
-    | ReportProgress
-    | FlagDrift
-    | DropAccumulated
-    | CancelPrefetch
-    | StartRefresh
-    | LoadRefresh
-    | AddRefreshDelta
-    | AverageGradients
-    | StepWithoutRound
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class Judgement:
-    """What a finished gradient round means for this peer (from ``rounds.RoundOutcome``)."""
-
-    averaged: bool  # our gradient was averaged with someone's
-    identical: bool  # every peer expected got the same exact average: nobody drifted
-    failed_or_partial: bool  # (part of) our gradient stayed local
-    group_size: int  # peers the round averaged over (0: none), expected at the next epoch
-
-
 class EpochLife:
     """One peer's epochs (see the module). Read its fields; change them only by events.
 
@@ -244,6 +164,8 @@ class EpochLife:
         self.last_group_size = 0  # of the last gradient round (0: none, or it failed)
         self.refresh_epoch = 0  # our epoch when the refresh download began
         self.refresh_tries = 0  # downloads since we fell behind
+        self.drift_marks = 0  # times drift was marked (a parameter round clears only older ones)
+        self.marks_at_parameter_round = 0  # drift_marks when the running parameter round began
 
     @property
     def drifted(self) -> bool:
@@ -265,6 +187,8 @@ class EpochLife:
 
     def _sync(self, event: Event) -> list[Action]:
         self.sync = SYNCS[(self.sync, event)]
+        if event is Event.MARK_DRIFTED:
+            self.drift_marks += 1
         return [FlagDrift(self.drifted)]
 
     def _refresh(self, event: Event) -> None:
@@ -479,9 +403,19 @@ class EpochLife:
         """Our parameters may differ from the others' (a checkpoint loaded, a step rolled back)."""
         return self._sync(Event.MARK_DRIFTED)
 
+    def parameter_round_began(self) -> None:
+        """A parameter round began: it averages the parameters we hold now."""
+        self.marks_at_parameter_round = self.drift_marks
+
     def parameters_averaged(self, *, complete: bool, local_updates: bool) -> list[Action]:
-        """A parameter round ended; ``complete``: full, with every peer we expected."""
-        if complete and not local_updates:
+        """A parameter round ended; ``complete``: full, with every peer we expected.
+
+        It clears the drift only if nothing drifted since it began: it averaged the parameters
+        of then, and a later failed round or rollback (delay_state_averaging: the round runs for
+        epochs) is in ours on top of the average (the delta rule), not in anyone else's.
+        """
+        later_drift = self.drift_marks != self.marks_at_parameter_round
+        if complete and not local_updates and not later_drift:
             return self._sync(Event.CLEAR_DRIFT)
         return []
 

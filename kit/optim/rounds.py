@@ -36,7 +36,7 @@ from kit.averaging.deadlines import Deadlines
 from kit.averaging.grid import GridAverage, rounds_for
 from kit.errors import AveragingFailed, KitError, KitTimeout, TransientError
 from kit.optim.accumulation import GradientAccumulator
-from kit.optim.epochs import Judgement
+from kit.optim.epoch_actions import Judgement
 from kit.optim.progress import ProgressTracker
 from kit.optim.stepping import InnerOptimizer
 from kit.p2p.identity import PeerID

@@ -14,17 +14,8 @@ import torch
 
 from kit.optim.accumulation import GradientAccumulator
 from kit.optim.driver import EpochDriver
-from kit.optim.epochs import (
-    DropAccumulated,
-    EpochLife,
-    FlagDrift,
-    Phase,
-    Publish,
-    Refresh,
-    Report,
-    StartRefresh,
-    Sync,
-)
+from kit.optim.epoch_actions import DropAccumulated, FlagDrift, Publish, StartRefresh
+from kit.optim.epochs import EpochLife, Phase, Refresh, Report, Sync
 from kit.optim.progress import GlobalProgress, PerformanceEMA
 from kit.optim.rounds import RoundOutcome
 from kit.optim.state import StateSnapshot
@@ -137,6 +128,14 @@ class StateRound:
 
     def start(self, source: Any, bits: str, expected: int, timeout: float) -> None:
         self.started.append(expected)
+        self.running = True
+
+    def finish(self, wait: float | None) -> tuple[bool, Result]:
+        self.running = False
+        return True, Result(3)
+
+    def complete(self, result: Result) -> bool:
+        return True
 
 
 class Clock:
@@ -301,6 +300,21 @@ def test_the_drift_flag_brings_a_parameter_round(flag: bool) -> None:
     driver.step(64, None)
     started = driver.state_round.started  # type: ignore[attr-defined]
     assert started == ([3] if flag else [])  # the round's group is who will be there
+
+
+@pytest.mark.parametrize("drift_meanwhile", [True, False])
+def test_a_parameter_round_clears_only_the_drift_before_it(drift_meanwhile: bool) -> None:
+    driver, tracker, _, _, _ = make_driver()
+    driver.act(driver.life.drifted_by())
+    backward(driver)
+    tracker.samples = 64
+    driver.step(64, None)  # the round starts (delay_state_averaging: it runs in the background)
+    assert driver.state_round.running  # type: ignore[truthy-function]
+    if drift_meanwhile:
+        driver.act(driver.life.drifted_by())  # e.g. a rolled-back step while the round ran
+    driver.finish_state_round(wait=None)  # complete, with everyone expected
+    assert driver.life.drifted is drift_meanwhile
+    assert tracker.drift_flags[-1] is drift_meanwhile
 
 
 @pytest.mark.parametrize("averaged", [True, False])

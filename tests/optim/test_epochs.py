@@ -3,30 +3,34 @@
 from __future__ import annotations
 
 import ast
+import types
 from pathlib import Path
 
 import pytest
 
+import kit.optim.epoch_actions as epoch_actions_module
 import kit.optim.epochs as epochs_module
-from kit.optim.epochs import (
-    MAX_FAST_FORWARD,
-    REFRESH_TRIES,
+from kit.optim.epoch_actions import (
     AddRefreshDelta,
     AverageGradients,
     CancelPrefetch,
     DropAccumulated,
-    EpochLife,
     FlagDrift,
     Judgement,
     LoadRefresh,
-    Phase,
-    Position,
     Publish,
-    Refresh,
-    Report,
     ReportProgress,
     StartRefresh,
     StepWithoutRound,
+)
+from kit.optim.epochs import (
+    MAX_FAST_FORWARD,
+    REFRESH_TRIES,
+    EpochLife,
+    Phase,
+    Position,
+    Refresh,
+    Report,
     Sync,
 )
 
@@ -304,6 +308,17 @@ def test_parameter_rounds_clear_drift_only_when_complete() -> None:
     assert life.drifted_by() == [FlagDrift(True)]  # a rolled-back step
 
 
+def test_a_parameter_round_clears_no_drift_marked_after_it_began() -> None:
+    life = EpochLife()
+    life.parameter_round_began()
+    life.drifted_by()  # e.g. a rolled-back step while the (delayed) round ran
+    assert life.parameters_averaged(complete=True, local_updates=False) == []
+    assert life.drifted
+    life.parameter_round_began()  # the next round averages the parameters with that step in
+    assert life.parameters_averaged(complete=True, local_updates=False) == [FlagDrift(False)]
+    assert not life.drifted
+
+
 def test_a_checkpoint_sets_the_epoch_and_drift() -> None:
     life = joined_at(4)
     assert life.checkpoint_loaded(40) == [FlagDrift(True)]
@@ -453,8 +468,9 @@ def test_a_tour_takes_every_transition_of_the_tables() -> None:
     assert sources | set(epochs_module.PHASES.values()) == set(Phase)
 
 
-def test_the_core_does_no_io_and_reads_no_clock() -> None:
-    tree = ast.parse(Path(epochs_module.__file__).read_text())
+@pytest.mark.parametrize("module", [epochs_module, epoch_actions_module])
+def test_the_core_does_no_io_and_reads_no_clock(module: types.ModuleType) -> None:
+    tree = ast.parse(Path(str(module.__file__)).read_text())
     imported = {
         alias.name
         for node in ast.walk(tree)
@@ -462,4 +478,4 @@ def test_the_core_does_no_io_and_reads_no_clock() -> None:
         for alias in node.names
     }
     imported |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    assert imported <= {"__future__", "dataclasses", "enum"}
+    assert imported <= {"__future__", "dataclasses", "enum", "kit.optim.epoch_actions"}

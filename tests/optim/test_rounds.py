@@ -15,7 +15,7 @@ import torch
 from kit.averaging.deadlines import Deadlines
 from kit.errors import AveragingFailed
 from kit.optim.accumulation import GradientAccumulator
-from kit.optim.epochs import Judgement
+from kit.optim.epoch_actions import Judgement
 from kit.optim.rounds import GradientRounds, RoundOutcome, average_at_epoch, group_bits
 from kit.optim.stepping import InnerOptimizer
 from kit.p2p.identity import PeerID
