@@ -256,9 +256,14 @@ class AsyncAverager:
         return StepControl(scheduled, deadline, allow_retries, float(weight))
 
     async def step(
-        self, weight: float | None = None, timeout: float | None = None
+        self,
+        weight: float | None = None,
+        timeout: float | None = None,
+        scheduled_time: float | None = None,
     ) -> RoundResult | None:
         """Find a group and average with it once (one try: kit's asynchronous API).
+
+        ``scheduled_time``: as in :meth:`make_control` (a leader waits for followers until then).
 
         Returns:
             What was averaged, or None if no group formed in time or the group disagreed.
@@ -266,7 +271,9 @@ class AsyncAverager:
         Raises:
             ConfigError: a weight that is not positive and finite.
         """
-        control = self.make_control(weight=weight, timeout=timeout, allow_retries=False)
+        control = self.make_control(
+            weight=weight, timeout=timeout, scheduled_time=scheduled_time, allow_retries=False
+        )
         control.allow_allreduce()
         try:
             return await self.run_step(control)

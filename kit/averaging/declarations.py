@@ -3,7 +3,7 @@
 Holds ``MatchmakingSettings`` (how groups form), ``Declaration`` (what a looking peer publishes
 in the DHT, parsed from untrusted values), ``MemberInfo`` (what a follower tells its leader),
 ``Refusal``, and the actions the pure ``Matchmaker`` (``kit.averaging.matchmaking``) asks its
-driver to carry out: ``AskLeader``, ``Release``, ``Begin``, ``Invite``. No logic, no I/O.
+driver to carry out: ``AskLeader``, ``Release``, ``Begin``, ``Invite``, ``Pool``. No logic, no I/O.
 """
 
 from __future__ import annotations
@@ -152,5 +152,13 @@ class Invite:
     gone: tuple[PeerID, ...]
 
 
-Action = AskLeader | Release | Begin | Invite
+@dataclasses.dataclass(frozen=True)
+class Pool:
+    """This peer's shard cannot fill its chunk: withdraw from the shard's key and declare
+    ``declaration`` under the pool key, where the remainders of every shard meet."""
+
+    declaration: Declaration
+
+
+Action = AskLeader | Release | Begin | Invite | Pool
 MAX_GONE = 64  # gone peers named in one invitation

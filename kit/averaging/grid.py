@@ -82,14 +82,43 @@ def rotated_bits(bits: str, new: str) -> str:
     return (bits + new)[-len(bits) :] if bits else ""
 
 
+#: A key expected to hold more peers than this is split into shards (see :func:`shards_for`).
+SHARD_ABOVE = 256
+
+
+def shards_for(expected: int, group_size: int, shard_above: int = SHARD_ABOVE) -> int:
+    """Shard keys for a round whose key is expected to hold ``expected`` peers (1: none).
+
+    Every peer polls the key it declared under, so a key of n declarations costs its few
+    replicas about n^2 declarations per round of polls: fine at 256 peers (the benchmark:
+    groups full, 2.6 s rounds), not at 1,024 (seconds per poll; chunks split). S shards cost
+    (n/S)^2 each, plus the pool where their remainders meet (about S * G/2 peers): both are
+    about equal for S = sqrt(2n/G) (8 at 1,024 peers in groups of 32: shards of ~128 and a
+    pool of ~128). Each shard keeps at least two groups' worth of peers on average.
+    """
+    if expected <= shard_above or group_size < 2:
+        return 1
+    balanced = math.isqrt(2 * expected // group_size)
+    return max(1, min(balanced, expected // (2 * group_size)))
+
+
 def rounds_for(peers: int, group_size: int) -> int:
-    """Moshpit rounds for ``peers`` in groups of ``group_size``: ceil(log_G(N)), at least 1."""
+    """Moshpit rounds for ``peers`` in groups of ``group_size``: ceil(log_G(N)), at least 1;
+    one fewer when the last round would be useless.
+
+    Round k's keys hold about N / G^(k-1) peers. When that is below 2 for the last round
+    (G^(d-1) < N < 2 G^(d-1): e.g. 105 peers in groups of 10), nearly every key of the last
+    round holds one peer, which has nobody to average with: round d-1 takes the surplus
+    instead (its groups are then up to 2G - 1: 11 here, see ``GridAverage.next_target``).
+    """
     if group_size < 2 or peers <= group_size:
         return 1
     rounds, covered = 0, 1
     while covered < peers:
         covered *= group_size
         rounds += 1
+    if rounds > 1 and peers < 2 * group_size ** (rounds - 1):
+        rounds -= 1
     return rounds
 
 
@@ -108,6 +137,7 @@ class GridAverage:
     coordinates: list[int] = dataclasses.field(default_factory=list)
     completed: int = 0  # rounds this peer averaged in
     exact: bool = True  # every round so far averaged every part over every sender
+    shard_above: int = SHARD_ABOVE  # keys expected to hold more peers are sharded
 
     @property
     def bits(self) -> str:
@@ -116,9 +146,11 @@ class GridAverage:
         return self.base_bits + "".join(coordinate_to_bits(c, nbits) for c in self.coordinates)
 
     def next_target(self, peers: int) -> int:
-        """The group size to wait for in the next round: G, or fewer if the key holds fewer
-        (the last round of an incomplete grid)."""
+        """The group size to wait for in the next round: G, or as many as its key is expected
+        to hold if fewer; in the last round all of them (up to 2G - 1: see ``rounds_for``)."""
         expected = math.ceil(peers / self.group_size ** len(self.coordinates))
+        if len(self.coordinates) + 1 >= self.rounds:
+            return max(2, expected)
         return max(2, min(self.group_size, expected))
 
     def averaged(
@@ -134,6 +166,11 @@ class GridAverage:
         self.weight = float(sum(weights))
         self.completed += 1
         self.exact = self.exact and full
+
+    def next_shards(self, peers: int) -> int:
+        """Shard keys of the next round (``shards_for`` its expected peers per key)."""
+        expected = math.ceil(peers / self.group_size ** len(self.coordinates))
+        return shards_for(expected, self.group_size, self.shard_above)
 
     def failed(self, me: PeerID) -> None:
         """No group this round: keep the value (and weight); take a coordinate from the id, so

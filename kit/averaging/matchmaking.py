@@ -28,6 +28,17 @@ How groups form (hivemind's leader/follower protocol, with deterministic chunks 
   them to it) and joins it.
 * A peer whose chunk gathered nobody by its expiration asks any other leader, nearest chunks
   first. Nobody waits past its own deadline.
+
+Sharded keys (a *sharded* search, when thousands of peers step at once): every peer polls the
+whole key it declared under, so one key of N declarations costs its replicas N^2 declarations
+per round of polls (1,024 peers: ~200 KB to each poller, ~80 MB from each replica over 100
+Mbit/s links: polls took seconds and chunks split). Moshpit SGD (Ryabinin et al., 2021, §3.1)
+spreads peers over the grid by random initial coordinates instead, which gives uneven groups;
+kit keeps whole groups with two steps: each peer declares under one of S shard keys (a hash of
+its id), and each shard is chunked as above; a peer whose chunk of its shard cannot fill
+(the shard's last chunk, once the shard had its matchmaking time to gather) moves to the
+*pool* key (``Pool``), where the remainders of every shard are chunked again, ranked by when
+they arrived. Every group but the pool's last is full: with N a multiple of G, all are.
 """
 
 from __future__ import annotations
@@ -48,6 +59,7 @@ from kit.averaging.declarations import (
     Invite,
     MatchmakingSettings,
     MemberInfo,
+    Pool,
     Refusal,
     Release,
     parse_addresses,
@@ -68,6 +80,7 @@ __all__ = [  # the data types live in kit.averaging.declarations; importable fro
     "MatchmakingSettings",
     "MemberInfo",
     "Phase",
+    "Pool",
     "Refusal",
     "Release",
     "Trigger",
@@ -100,6 +113,7 @@ class Trigger(enum.Enum):
     BEGIN = "begin"
     GROUP_RECEIVED = "group_received"
     LEADER_LOST = "leader_lost"
+    POOL = "pool"  # its shard's chunk cannot fill: look again under the pool key
     DEADLINE = "deadline"
     CANCEL = "cancel"
 
@@ -110,6 +124,7 @@ TRANSITIONS: dict[Phase, dict[Trigger, Phase]] = {
     Phase.LOOKING: {
         Trigger.ASK_LEADER: Phase.JOINING,
         Trigger.FOLLOWER_JOINED: Phase.LEADING,
+        Trigger.POOL: Phase.LOOKING,
         **_ENDINGS,
     },
     Phase.JOINING: {Trigger.ACCEPTED: Phase.FOLLOWING, Trigger.REFUSED: Phase.LOOKING, **_ENDINGS},
@@ -123,6 +138,7 @@ TRANSITIONS: dict[Phase, dict[Trigger, Phase]] = {
         Trigger.LAST_FOLLOWER_LEFT: Phase.LOOKING,
         Trigger.DISBAND: Phase.JOINING,
         Trigger.BEGIN: Phase.ASSEMBLED,
+        Trigger.POOL: Phase.LOOKING,
         **_ENDINGS,
     },
     Phase.ASSEMBLED: {},
@@ -136,12 +152,17 @@ TRANSIENT_REFUSALS = frozenset({"following", "joining", "released", "duplicate"}
 class Matchmaker:
     """One peer's search for a group, from ``start`` to ASSEMBLED or FAILED. Pure: no I/O.
 
-    Times are DHT times (wall clock shared by peers), passed in as ``now``.
+    Times are DHT times (wall clock shared by peers), passed in as ``now``. ``sharded``: it
+    declares under one of several shard keys and moves to the pool key if its chunk there
+    cannot fill (see the module; needs a target_group_size).
     """
 
-    def __init__(self, me: MemberInfo, settings: MatchmakingSettings) -> None:
+    def __init__(
+        self, me: MemberInfo, settings: MatchmakingSettings, *, sharded: bool = False
+    ) -> None:
         self.me = me
         self.settings = settings
+        self.sharded = sharded and settings.target_group_size is not None
         self.phase = Phase.IDLE
         self.expiration = math.inf  # when this peer begins as a leader at the latest
         self.deadline = math.inf  # when it gives up
@@ -307,6 +328,8 @@ class Matchmaker:
 
     def _reconsider(self, now: float) -> list[Action]:
         """After a poll, a refusal or a lost leader: ask whoever the view says to ask now."""
+        if self.phase is Phase.LOOKING and self.sharded:
+            return self._reconsider_in_shard(now)
         if self.phase is Phase.LOOKING:
             anywhere = self._given_up_on_chunk(now)
             target = self._target(now, anywhere)
@@ -318,6 +341,46 @@ class Matchmaker:
                 return self._ask(target)
             return self._invitations()
         return []
+
+    def _reconsider_in_shard(self, now: float) -> list[Action]:
+        """A sharded search looks in its own chunk only; what cannot form there goes to the
+        pool (not to other chunks of the shard: those fill with their own peers)."""
+        chunks, mine = self._chunks()
+        chunk, given_up = chunks[mine], self._given_up_on_chunk(now)
+        if len(chunk) < self._target_size():
+            # The shard's last chunk: more peers may append to it until they all had their
+            # matchmaking time; then it goes to the pool as a whole.
+            return self._pool(now) if given_up else []
+        leader = self._chunk_leader(now, chunk, may_lead=True)
+        if leader is None:  # formed without us (full), or its leader is asking: wait a little
+            full = any(self._refusal(now, d.peer_id) == "full" for d in chunk)
+            return self._pool(now) if full or given_up else []
+        if leader.peer_id != self.me.peer_id:
+            return self._ask(leader)
+        if given_up and now >= self._begin_at():  # we lead, and nobody came: try the pool
+            return self._pool(now)
+        return self._invitations()
+
+    def _target_size(self) -> int:
+        return self.settings.target_group_size or 0
+
+    def _pool(self, now: float) -> list[Action]:
+        """Leave the shard for the pool key: a new search there, ranked by arrival (so that
+        the remainders of slow shards append to the pool's chunks, never shift them)."""
+        actions: list[Action] = []
+        if self.followers:
+            actions.append(Release(tuple(self.followers), None))
+            self.followers.clear()
+        self._move(Trigger.POOL)
+        self.sharded = False
+        self.view.clear()
+        self.refused.clear()
+        self.invited.clear()
+        self.first_view, self._ahead, self._ahead_since = math.inf, None, math.inf
+        self.started, self.last_join = now, -math.inf
+        self.expiration = min(now + self.settings.min_matchmaking_time, self.deadline)
+        actions.append(Pool(self.declaration))
+        return actions
 
     def _invitations(self) -> list[Action]:
         """This peer leads its chunk, and knows peers ahead that are gone (crashed, their
@@ -469,7 +532,10 @@ class Matchmaker:
             full = self.settings.target_group_size is not None and (
                 size >= self.settings.target_group_size
             )
-            if full or (now >= self._begin_at() and size >= self.settings.min_group_size):
+            due = now >= self._begin_at()
+            if due and not full and self.sharded and self._chunk_size() < self._target_size():
+                return self._pool(now)  # the shard's last chunk: its peers meet the others'
+            if full or (due and size >= self.settings.min_group_size):
                 self.members = (self.me, *self.followers.values())
                 self._move(Trigger.BEGIN)
                 return [Begin(self.members)]

@@ -14,6 +14,7 @@ that goes away is noticed by the leader at once, and a leader that goes away by 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import logging
 import math
@@ -56,6 +57,7 @@ from kit.averaging.matchmaking import (
     MatchmakingSettings,
     MemberInfo,
     Phase,
+    Pool,
     Refusal,
     Release,
 )
@@ -170,6 +172,9 @@ class MatchmakingDriver:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._wakeup = asyncio.Event()
         self._group: GroupInfo | None = None
+        # Shard keys of the next search (1: the group key alone); see kit.averaging.matchmaking.
+        self.shards = 1
+        self._searching: list[asyncio.Task[Any]] = []  # the current key's declare and poll
         self._declared_until = 0.0
         self._declared_key = self.group_key  # the key of the current (or last) search
         self._pending_withdrawal = 0.0  # declared until then; withdrawn once the round ends
@@ -178,6 +183,15 @@ class MatchmakingDriver:
     def group_key(self) -> str:
         """The DHT key of this averager's group (hivemind's ``{prefix}.0b{bits}``)."""
         return f"{self.prefix}.0b{self.group_bits}"
+
+    def shard_key(self, peer_id: PeerID) -> str:
+        """Where ``peer_id`` declares first: the group key, or one of its ``shards`` shards
+        (by a hash of the id: the same for every peer that computes it)."""
+        if self.shards <= 1:
+            return self.group_key
+        digest = hashlib.sha256(self.group_key.encode() + peer_id.to_bytes()).digest()
+        shard = int.from_bytes(digest[:8], "big") % self.shards
+        return f"{self.group_key}.shard{shard}of{self.shards}"
 
     @property
     def followers(self) -> tuple[PeerID, ...]:
@@ -198,15 +212,14 @@ class MatchmakingDriver:
 
         After a group's round, call :meth:`withdraw_after_round` (its declaration stays in the
         DHT till then, so no DHT store competes with the all-reduce for the links)."""
-        matchmaker = self._matchmaker = Matchmaker(me, self.settings)
+        sharded = self.shards > 1
+        matchmaker = self._matchmaker = Matchmaker(me, self.settings, sharded=sharded)
         self._group, self._declared_until = None, 0.0
-        self._declared_key = self.group_key
+        self._declared_key = self.shard_key(me.peer_id)
         declaration = matchmaker.start(get_dht_time(), deadline, scheduled_time)
         if matchmaker.can_lead:
             preload_solver()  # this peer may lead: its LP must not wait for scipy's import
-        declared = asyncio.Event()  # the first poll waits for our own declaration
-        self._spawn(self._declare(matchmaker, declaration, declared))
-        self._spawn(self._poll(matchmaker, declared))
+        self._search_under_key(matchmaker, declaration)
         try:
             while True:
                 self._execute(matchmaker.tick(get_dht_time()))
@@ -241,6 +254,25 @@ class MatchmakingDriver:
             else:
                 self._spawn_owned(self._withdraw(self._declared_key, self._declared_until))
 
+    def _search_under_key(self, matchmaker: Matchmaker, declaration: Declaration) -> None:
+        """Declare under ``_declared_key`` and poll it (the first poll waits for our store)."""
+        declared = asyncio.Event()
+        self._searching = [
+            self._spawn(self._declare(matchmaker, declaration, declared)),
+            self._spawn(self._poll(matchmaker, declared)),
+        ]
+
+    def _to_pool(self, pool: Pool) -> None:
+        """The shard's chunk cannot fill: withdraw there, look under the group key."""
+        matchmaker = self._matchmaker
+        assert matchmaker is not None
+        for task in self._searching:
+            task.cancel()
+        self._spawn_owned(self._withdraw(self._declared_key, self._declared_until))
+        logger.debug("%s: to the pool from %s", self.prefix, self._declared_key)
+        self._declared_key, self._declared_until = self.group_key, 0.0
+        self._search_under_key(matchmaker, pool.declaration)
+
     def _move_on_grid(self, group: GroupInfo, me: PeerID) -> None:
         """Moshpit (hivemind's ``update_key_on_group_assembled``): with group bits, this peer's
         place in its group becomes the newest coordinate of its key (``kit.averaging.grid``),
@@ -253,11 +285,12 @@ class MatchmakingDriver:
         chunk = coordinate_to_bits(new, coordinate_bits(buckets))
         self.group_bits = rotated_bits(self.group_bits, chunk)
 
-    def _spawn(self, work: Awaitable[Any]) -> None:
+    def _spawn(self, work: Awaitable[Any]) -> asyncio.Task[Any]:
         task = asyncio.ensure_future(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         task.add_done_callback(_log_failure)
+        return task
 
     def _wake(self) -> None:
         self._wakeup.set()
@@ -281,6 +314,8 @@ class MatchmakingDriver:
                         outcome.set_result(message)
             elif isinstance(action, Invite):
                 self._spawn(self._invite(action))
+            elif isinstance(action, Pool):
+                self._to_pool(action)
             elif isinstance(action, Begin):
                 logger.debug("%s: leading a group of %d", self.prefix, len(action.members))
                 self._group = self._assemble(action)

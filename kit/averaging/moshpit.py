@@ -13,7 +13,8 @@ import logging
 from collections.abc import Callable
 
 from kit.averaging.async_averager import AsyncAverager, RoundResult
-from kit.averaging.grid import GridAverage
+from kit.averaging.grid import SHARD_ABOVE, GridAverage
+from kit.dht.node import get_dht_time
 
 logger = logging.getLogger(__name__)
 
@@ -35,26 +36,43 @@ async def grid_average(
     rounds: int,
     base_bits: str = "",
     timeout: float | None = None,
+    shard_above: int = SHARD_ABOVE,
     on_round: Callable[[int, RoundResult | None], None] | None = None,
 ) -> GridOutcome:
     """Average over ``peers`` peers in ``rounds`` rounds of groups of ``group_size``.
 
     The averager's group bits and target size are set before each round (restored after).
     ``weight`` is this peer's own (e.g. its samples); ``timeout`` bounds each round's search;
+    a round whose key is expected to hold more than ``shard_above`` peers declares under shard
+    keys first (``kit.averaging.grid.shards_for``);
     ``on_round(index, result)`` is called after each round (e.g. to measure the values).
     """
-    grid = GridAverage(base_bits, group_size, rounds, float(weight))
+    grid = GridAverage(base_bits, group_size, rounds, float(weight), shard_above=shard_above)
     matchmaking = averager.matchmaking
-    saved = matchmaking.group_bits, matchmaking.settings
+    saved = matchmaking.group_bits, matchmaking.settings, matchmaking.shards
     me = averager.peer.peer_id
     results: list[RoundResult | None] = []
+    after_pool = 0.0  # how much later a sharded round's pool groups may end than its shards'
     try:
         for index in range(rounds):
             matchmaking.group_bits = grid.bits
             matchmaking.settings = dataclasses.replace(
                 saved[1], target_group_size=grid.next_target(peers)
             )
-            result = await averager.step(weight=grid.weight, timeout=timeout)
+            matchmaking.shards = grid.next_shards(peers)
+            # After a sharded round, a key gathers members of shard groups (which ended
+            # early) and of pool groups (one matchmaking time and a settled view later): a
+            # leader that does not fill at once waits for them (full groups begin at once).
+            scheduled = None
+            if after_pool > 0 and (timeout is None or after_pool < timeout / 2):
+                scheduled = get_dht_time() + after_pool
+            settings = averager.settings
+            after_pool = 0.0
+            if matchmaking.shards > 1:
+                after_pool = 2 * settings.min_matchmaking_time + settings.request_timeout
+            result = await averager.step(
+                weight=grid.weight, timeout=timeout, scheduled_time=scheduled
+            )
             results.append(result)
             if result is None:
                 grid.failed(me)
@@ -63,5 +81,5 @@ async def grid_average(
             if on_round is not None:
                 on_round(index, result)
     finally:
-        matchmaking.group_bits, matchmaking.settings = saved
+        matchmaking.group_bits, matchmaking.settings, matchmaking.shards = saved
     return GridOutcome(grid, tuple(results))

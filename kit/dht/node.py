@@ -126,6 +126,7 @@ class DHTNode:
         self._incarnation = random.getrandbits(62)
         self._own_records: dict[tuple[bytes, bytes | None], DHTRecord] = {}
         self._initial_peers: tuple[str, ...] = ()
+        self._initial_contacts: dict[PeerID, Contact] = {}  # those that answered a join
         self._initial_ids: dict[
             str, DHTID
         ] = {}  # initial peer address -> its node id, once reached
@@ -263,10 +264,42 @@ class DHTNode:
             )
         deadline = self._clock() + self.config.bootstrap_timeout
         await self.network.lookup(self.node_id, self.config.bucket_size, None, deadline)
+        await self._fill_empty_buckets(deadline)
         logger.info(
             "DHT node %s joined: %d contacts", self.peer_id.short(), len(self.routing_table)
         )
         return answered
+
+    async def _fill_empty_buckets(self, deadline: float) -> None:
+        """Kademlia §2.3's last join step ("u refreshes all k-buckets further away than its
+        closest neighbor"), for the buckets the lookup of our own id left empty."""
+        empty = [b for b in self.routing_table.buckets if not b.nodes]
+        targets = [b.random_id(self._rng) for b in empty if not b.covers(self.node_id)]
+        await asyncio.gather(
+            *(self._lookup(t, self.config.beam_size, None, deadline) for t in targets)
+        )
+
+    async def _lookup(
+        self, key_id: DHTID, beam: int, search: ValueSearch | None, deadline: float
+    ) -> Lookup:
+        """A lookup that starts from what the initial peers know when we know nobody near the
+        target (its bucket is empty).
+
+        A node that joined through one initial peer learns its own half of the id space (the
+        initial peer answers with the nodes nearest the newcomer), and nodes that joined
+        before the other half filled never hear of it: after 256 nodes joined one by one, 105
+        knew nobody in the other half. Their lookups of a key there converged on the nodes of
+        their own half nearest to it, so the nodes that stored a matchmaking key and those
+        that polled it split into two swarms that never saw each other (1 run in 8 of 256
+        peers). The initial peers (every newcomer contacted them) know both halves."""
+        seeds: list[Contact] = []
+        entries = list(self._initial_contacts.values())
+        if entries and not self.routing_table.bucket_for(key_id).nodes:
+            answers = await asyncio.gather(
+                *(self.network.find(contact, key_id, False) for contact in entries)
+            )
+            seeds = [c for answer in answers if answer is not None for c in answer.nearest]
+        return await self.network.lookup(key_id, beam, search, deadline, seeds)
 
     async def _join(self, address: str, *, quiet: bool = False) -> bool:
         timeout = self.config.rpc_timeout
@@ -284,6 +317,7 @@ class DHTNode:
         if failures:
             log("initial peer %s did not answer: %s", address, failures[0])
             raise failures[0]
+        self._initial_contacts[peer_id] = contact
         return True
 
     # --- store and get ----------------------------------------------------------------------
@@ -355,7 +389,7 @@ class DHTNode:
             await self._read_replicas(key_id, search, replicas)
         elif not search.done(now):
             deadline = self._clock() + self.config.lookup_timeout
-            lookup = await self.network.lookup(key_id, self.config.beam_size, search, deadline)
+            lookup = await self._lookup(key_id, self.config.beam_size, search, deadline)
             now = get_dht_time()
             entry = search.entry(now)
             if entry is not None:
@@ -371,7 +405,7 @@ class DHTNode:
             nearest = held[1]
         else:
             deadline = self._clock() + self.config.lookup_timeout
-            lookup = await self.network.lookup(key_id, self.config.beam_size, None, deadline)
+            lookup = await self._lookup(key_id, self.config.beam_size, None, deadline)
             nearest = lookup.nearest_responded(self.config.num_replicas)
             if len(self._replicas) >= MAX_REUSED_REPLICA_SETS:
                 self._replicas.pop(next(iter(self._replicas)))  # the oldest
@@ -400,7 +434,7 @@ class DHTNode:
         key_id = DHTID.from_key_bytes(pack_key(key, self.config.limits))
         deadline = self._clock() + self.config.lookup_timeout
         beam = max(self.config.beam_size, k or 0)
-        lookup = await self.network.lookup(key_id, beam, None, deadline)
+        lookup = await self._lookup(key_id, beam, None, deadline)
         return [contact for _, contact in lookup.nearest_responded(k or self.config.num_replicas)]
 
     async def republish(self) -> int:
@@ -426,7 +460,7 @@ class DHTNode:
     async def _publish(self, record: DHTRecord) -> bool:
         key_id = DHTID.from_key_bytes(record.key)
         deadline = self._clock() + self.config.lookup_timeout
-        lookup = await self.network.lookup(key_id, self.config.beam_size, None, deadline)
+        lookup = await self._lookup(key_id, self.config.beam_size, None, deadline)
         replicas = self.config.num_replicas
         targets = lookup.nearest_responded(replicas)
         here = not self.client_mode and (

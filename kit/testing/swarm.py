@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from kit.averaging.averager import AsyncAverager
-from kit.averaging.grid import rounds_for
+from kit.averaging.grid import SHARD_ABOVE, rounds_for
 from kit.averaging.moshpit import grid_average
 from kit.averaging.settings import AveragerSettings
 from kit.dht.node import DHTConfig, DHTNode
@@ -61,6 +61,7 @@ class SwarmSpec:
     min_matchmaking_time: float = 5.0  # seconds a leader waits for its group at most
     request_timeout: float = 3.0  # join requests and stream opens
     round_timeout: float = 60.0  # seconds each round may search for its group
+    shard_above: int = SHARD_ABOVE  # a round's key expected to hold more peers is sharded
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -186,6 +187,7 @@ async def simulate_grid_average(spec: SwarmSpec) -> SwarmReport:
                 group_size=spec.group_size,
                 rounds=rounds,
                 timeout=spec.round_timeout,
+                shard_above=spec.shard_above,
                 on_round=on_round,
             )
 

@@ -48,8 +48,15 @@ def test_coordinates_spread_partial_groups_over_all_values() -> None:
 def test_rotated_bits_and_rounds() -> None:
     assert rotated_bits("0110", "11") == "1011" and rotated_bits("", "1") == ""
     assert coordinate_bits(32) == 5 and coordinate_bits(2) == 1 and coordinate_bits(5) == 3
-    assert [rounds_for(n, 32) for n in (2, 32, 33, 1024, 1025, 32**3)] == [1, 1, 2, 2, 3, 3]
+    assert [rounds_for(n, 32) for n in (2, 32, 64, 1024, 2048, 32**3)] == [1, 1, 2, 2, 3, 3]
     assert rounds_for(12, 4) == 2 and rounds_for(100, 1) == 1
+    # A last round whose keys would hold one peer each is left out; the one before takes all.
+    assert [rounds_for(n, 32) for n in (33, 63, 1025, 2047)] == [1, 1, 2, 2]
+    assert rounds_for(105, 10) == 2 and rounds_for(200, 10) == 3
+    assert GridAverage("", 10, 2, 1.0).next_target(105) == 10  # round 1: groups of G
+    last = GridAverage("", 10, 2, 1.0, coordinates=[3])
+    assert last.next_target(105) == 11  # round 2: every peer of its key (10 or 11)
+    assert GridAverage("", 32, 1, 1.0).next_target(33) == 33
 
 
 def test_a_full_grid_covers_every_peer_once_in_d_rounds() -> None:

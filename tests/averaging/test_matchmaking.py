@@ -24,6 +24,7 @@ from kit.averaging.matchmaking import (
     MatchmakingSettings,
     MemberInfo,
     Phase,
+    Pool,
     Refusal,
     Release,
     Trigger,
@@ -137,6 +138,37 @@ def test_a_remainder_too_small_to_begin_asks_the_chunks_before_it() -> None:
     last = started(8, now=103.0)
     assert settle(last, 101.0, view) == [AskLeader(view[4])]  # the nearest chunk first
     assert last.join_answered(101.1, pid(4), Refusal("full")) == [AskLeader(view[0])]
+
+
+def test_a_sharded_search_fills_its_chunk_or_moves_the_shards_remainder_to_the_pool() -> None:
+    view = [declaration(n, 100.0 + n) for n in range(10)]  # the shard: [0..3] [4..7] [8 9]
+
+    def sharded(n: int) -> Matchmaker:
+        matchmaker = Matchmaker(member(n), SETTINGS, sharded=True)
+        matchmaker.start(95.0 + n, 130.0)  # its expiration is 100 + n, as in the view
+        return matchmaker
+
+    full = sharded(5)
+    assert settle(full, 101.0, view) == [AskLeader(view[4])]  # a full chunk forms as before
+    last = sharded(9)
+    assert settle(last, 101.0, view) == []  # the shard's last chunk: others may still append
+    assert last.tick(108.9) == [] and last.next_wakeup(108.9) == 109.0
+    [pool] = last.tick(109.0)  # they had their matchmaking time: to the pool, ranked anew
+    assert pool == Pool(Declaration(pid(9), 114.0, ("memory://9",)))
+    assert last.phase is Phase.LOOKING and not last.sharded and last.view == {}
+    assert settle(last, 109.5, [declaration(40, 113.0)]) == [AskLeader(declaration(40, 113.0))]
+    # A shard's leader whose chunk stayed short at its begin time takes its followers along.
+    leader = sharded(8)
+    leader.join_request(100.5, member(9))
+    settle(leader, 101.0, view)
+    assert leader.tick(107.9) == []
+    actions = leader.tick(108.0)  # its expiration: nobody else came
+    assert actions[0] == Release((pid(9),), None) and isinstance(actions[1], Pool)
+    # A chunk that formed without this peer (its leader is full): the pool at once.
+    late = sharded(6)
+    assert settle(late, 101.0, view) == [AskLeader(view[4])]
+    [pool] = late.join_answered(101.1, pid(4), Refusal("full"))
+    assert isinstance(pool, Pool)
 
 
 def test_a_client_first_in_its_chunk_leaves_the_lead_to_the_next_peer() -> None:
@@ -308,11 +340,15 @@ class PureSwarm:
         store_delay: tuple[float, float],
         visibility: float = 1.0,
         window: float = 60.0,
+        shards: int = 1,
     ) -> None:
-        self.rng, self.visibility = rng, visibility
+        self.rng, self.visibility, self.store_delay = rng, visibility, store_delay
         self.starts = {i: 100.0 + rng.random() * spread for i in range(n)}
         self.landed = {i: t + rng.uniform(*store_delay) for i, t in self.starts.items()}
-        self.peers = {i: Matchmaker(member(i), settings) for i in range(n)}
+        self.next_poll = dict(self.landed)
+        sharded = shards > 1  # shards by a random draw per peer (a hash of its id in the driver)
+        self.keys = {i: f"shard{rng.randrange(shards)}" if sharded else "" for i in range(n)}
+        self.peers = {i: Matchmaker(member(i), settings, sharded=sharded) for i in range(n)}
         self.declarations: dict[int, Declaration] = {}
         self.window = window
         self.groups: list[tuple[MemberInfo, ...]] = []
@@ -320,7 +356,7 @@ class PureSwarm:
     def run(self, poll_period: float = 0.2, step: float = 0.05) -> None:
         now = min(self.starts.values())
         end = now + self.window + 1.0
-        next_poll = dict(self.landed)
+        next_poll = self.next_poll
         while now < end:
             for i, started_at in self.starts.items():
                 if self.peers[i].phase is Phase.IDLE and started_at <= now:
@@ -339,6 +375,7 @@ class PureSwarm:
             d
             for i, d in self.declarations.items()
             if i != me
+            and self.keys[i] == self.keys[me]
             and self.landed[i] <= now
             and self.peers[i].phase not in FINAL_PHASES  # withdrawn (or never finished)
             and self.rng.random() < self.visibility
@@ -363,6 +400,10 @@ class PureSwarm:
                 target = index(action.peer.peer_id)
                 told = self.peers[target].invited_by(now, peer.declaration, action.gone)
                 pending += [(target, a) for a in told]
+            elif isinstance(action, Pool):  # a new declaration under the pool key, stored anew
+                self.keys[actor], self.declarations[actor] = "pool", action.declaration
+                self.landed[actor] = now + self.rng.uniform(*self.store_delay)
+                self.next_poll[actor] = self.landed[actor]
             elif isinstance(action, Begin):
                 self.groups.append(action.members)
                 for follower in action.members[1:]:
@@ -390,6 +431,19 @@ def test_a_burst_of_peers_forms_full_groups_but_one(n: int, target: int) -> None
     swarm.run()
     sizes = check_groups(swarm, target)
     assert sizes.count(target) == n // target  # full groups, and the remainder
+
+
+@pytest.mark.parametrize(("n", "target", "shards"), [(1024, 32, 8), (512, 32, 5), (1000, 32, 8)])
+def test_sharded_keys_form_full_groups_but_one(n: int, target: int, shards: int) -> None:
+    """Thousands at once over S shard keys (uneven: a random shard per peer); each shard's
+    remainder meets the others' in the pool: with N a multiple of G every group is full."""
+    settings = MatchmakingSettings(target, 2, min_matchmaking_time=5.0, request_timeout=1.0)
+    rng = random.Random(n)
+    swarm = PureSwarm(n, settings, rng, spread=1.0, store_delay=(0.2, 2.0), shards=shards)
+    swarm.run()
+    sizes = check_groups(swarm, target)
+    assert sizes.count(target) == n // target
+    assert sum(key == "pool" for key in swarm.keys.values()) > 0  # the pool was used
 
 
 @pytest.mark.parametrize("seed", range(8))

@@ -119,6 +119,28 @@ def test_a_simulated_swarm_reaches_the_global_mean_on_a_full_grid() -> None:
     assert report.messages_per_peer > 0 and report.dht_finds_per_peer > 0
 
 
+def test_sharded_first_round_keeps_every_group_full() -> None:
+    """Round 1 over shard keys (as for thousands of peers, here from 16 peers per key up):
+    each shard's remainder meets the others' in the pool, so 64 peers still form 8 full
+    groups of 8, and round 2 (8 keys of 8: not sharded) gives the exact global mean."""
+    spec = SwarmSpec(peers=64, group_size=8, size=1024, shard_above=16, seed=1)
+    report = run_virtual(simulate_grid_average(spec))
+    assert report.failed == (0, 0) and report.group_sizes == ((8,) * 8, (8,) * 8)
+    assert report.rounds_to_global_mean(1e-6) == 2
+
+
+def test_an_incomplete_grid_has_no_useless_last_round() -> None:
+    """105 peers in groups of 10: 10^2 < 105, but a third round would find one peer per key
+    (nobody to average with). Two rounds: 10 groups of 10 and a remainder of 5, then groups of
+    10 or 11 (those without a member of the remainder miss its 5 peers: the measured error)."""
+    spec = SwarmSpec(peers=105, group_size=10, size=1024, seed=2)
+    report = run_virtual(simulate_grid_average(spec))
+    assert report.rounds == 2 and report.failed == (0, 0)
+    assert report.group_sizes[0] == (10,) * 10 + (5,)
+    assert sorted(set(report.group_sizes[1])) == [10, 11] and sum(report.group_sizes[1]) == 105
+    assert report.max_abs_error[1] < 0.5 * report.max_abs_error[0]
+
+
 def test_an_incomplete_grid_with_churn_keeps_a_measured_error() -> None:
     """32 peers (not a power of 4) and 10% crashing mid-way: nobody hangs, the error is what
     the README reports for incomplete grids (a mean over part of the swarm), and bounded."""
