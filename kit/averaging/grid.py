@@ -122,6 +122,24 @@ def rounds_for(peers: int, group_size: int) -> int:
     return rounds
 
 
+def pool_delay(shards: int, min_matchmaking_time: float, request_timeout: float) -> float:
+    """How much later than its shard groups a sharded round's pool groups may end (0: the
+    round was not sharded): the pool forms one matchmaking time and a settled view later."""
+    return 2 * min_matchmaking_time + request_timeout if shards > 1 else 0.0
+
+
+def begin_after_pool(after_pool: float, now: float, timeout: float | None) -> float | None:
+    """When the round after a sharded one may begin at the latest (DHT time; None: at once).
+
+    Its keys gather members of shard groups, which ended early, and of pool groups, which end
+    ``after_pool`` later: a leader that does not fill at once waits for them (full groups still
+    begin at once). Not when that would take half the round's search time or more.
+    """
+    if after_pool <= 0 or (timeout is not None and after_pool >= timeout / 2):
+        return None
+    return now + after_pool
+
+
 @dataclasses.dataclass
 class GridAverage:
     """One peer's progress through the rounds of one Moshpit average (mutable, pure).

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable
 
 from kit.averaging.async_averager import AsyncAverager, RoundResult
-from kit.averaging.grid import SHARD_ABOVE, GridAverage
+from kit.averaging.grid import SHARD_ABOVE, GridAverage, begin_after_pool, pool_delay
 from kit.dht.node import get_dht_time
 
 logger = logging.getLogger(__name__)
@@ -60,16 +60,11 @@ async def grid_average(
                 saved[1], target_group_size=grid.next_target(peers)
             )
             matchmaking.shards = grid.next_shards(peers)
-            # After a sharded round, a key gathers members of shard groups (which ended
-            # early) and of pool groups (one matchmaking time and a settled view later): a
-            # leader that does not fill at once waits for them (full groups begin at once).
-            scheduled = None
-            if after_pool > 0 and (timeout is None or after_pool < timeout / 2):
-                scheduled = get_dht_time() + after_pool
+            scheduled = begin_after_pool(after_pool, get_dht_time(), timeout)
             settings = averager.settings
-            after_pool = 0.0
-            if matchmaking.shards > 1:
-                after_pool = 2 * settings.min_matchmaking_time + settings.request_timeout
+            after_pool = pool_delay(
+                matchmaking.shards, settings.min_matchmaking_time, settings.request_timeout
+            )
             result = await averager.step(
                 weight=grid.weight, timeout=timeout, scheduled_time=scheduled
             )

@@ -33,7 +33,8 @@ from collections.abc import Callable
 from kit.averaging.averager import DecentralizedAverager, RoundResult
 from kit.averaging.control import StepControl
 from kit.averaging.deadlines import Deadlines
-from kit.averaging.grid import GridAverage, rounds_for
+from kit.averaging.grid import GridAverage, begin_after_pool, pool_delay, rounds_for
+from kit.dht.node import get_dht_time
 from kit.errors import AveragingFailed, KitError, KitTimeout, TransientError
 from kit.optim.accumulation import GradientAccumulator
 from kit.optim.epoch_actions import Judgement
@@ -188,18 +189,33 @@ def average_on_grid(
     """
     grid = GridAverage(group_bits(epoch), group_size, rounds_for(expected, group_size), weight)
     result: RoundResult | None = None
-    for index in range(grid.rounds):
-        averager.set_group_bits(grid.bits)
-        averager.set_target_group_size(grid.next_target(expected))
-        result = _blocking_step(
-            averager, tracker, epoch, grid.weight, matchmaking_time, averaging_timeout
-        )
-        if result is None:
-            grid.failed(me)
-        else:
-            grid.averaged(result.group_id, result.peers, result.weights, me, result.is_full)
-            if on_round is not None:
-                on_round(index, result)
+    after_pool = 0.0  # a sharded round's pool groups end this much later than its shards'
+    settings = averager.settings
+    try:
+        for index in range(grid.rounds):
+            averager.set_group_bits(grid.bits)
+            averager.set_target_group_size(grid.next_target(expected))
+            shards = grid.next_shards(expected)
+            averager.set_shards(shards)
+            scheduled = begin_after_pool(after_pool, get_dht_time(), None)  # (the search waits)
+            after_pool = pool_delay(shards, matchmaking_time, settings.request_timeout)
+            result = _blocking_step(
+                averager,
+                tracker,
+                epoch,
+                grid.weight,
+                matchmaking_time,
+                averaging_timeout,
+                scheduled_time=scheduled,
+            )
+            if result is None:
+                grid.failed(me)
+            else:
+                grid.averaged(result.group_id, result.peers, result.weights, me, result.is_full)
+                if on_round is not None:
+                    on_round(index, result)
+    finally:
+        averager.set_shards(1)  # the epoch's other rounds (parameters) use the plain key
     return result, grid
 
 
@@ -210,10 +226,15 @@ def _blocking_step(
     weight: float,
     matchmaking_time: float,
     averaging_timeout: float,
+    *,
+    scheduled_time: float | None = None,
 ) -> RoundResult | None:
     # The timeout bounds the search for a group; the all-reduce has its own (allreduce_timeout).
+    # A round scheduled later (after a sharded one) searches that much longer.
     search = 2 * matchmaking_time + 1.0
-    future = averager.step(weight=weight, timeout=search, wait=False)
+    if scheduled_time is not None:
+        search += max(0.0, scheduled_time - get_dht_time())
+    future = averager.step(weight=weight, timeout=search, scheduled_time=scheduled_time, wait=False)
     if not isinstance(future, StepControl):  # step(wait=False) returns one
         raise TypeError(f"averager.step(wait=False) returned {type(future).__name__}")
     give_up = time.monotonic() + search + averaging_timeout + 30.0
