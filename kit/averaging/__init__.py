@@ -5,10 +5,13 @@ Pure cores (no networking, no clocks), in dependency order:
     compression.py         codecs with hivemind's wire ids and byte layouts, validated on receipt
     balancing.py           which share of the vector each peer aggregates (DeDLOC's LP)
     partition.py           tensors -> parts -> chunks, the aggregator's reducer, the round report
-    matchmaking.py         who averages with whom: the group-assembly state machine
+    declarations.py        what matchmaking peers tell each other; the state machine's actions
+    matchmaking.py         who averages with whom: the group-assembly state machine (chunks)
     group.py               the assembled group and the join messages, as they travel
     control.py             one step's stage, trigger and result (hivemind's ``StepControl``)
     averages.py            what an aggregator sends back: the average, or each sender's delta
+    grid.py                Moshpit: group keys as grid coordinates, weights of averaged values
+    deadlines.py           "auto" matchmaking time and round timeout
 
 With I/O (asyncio, over ``kit.p2p`` streams and ``kit.dht``):
 
@@ -19,6 +22,7 @@ With I/O (asyncio, over ``kit.p2p`` streams and ``kit.dht``):
     settings.py            the averager's settings
     async_averager.py      ``AsyncAverager``: steps, retries and served streams on the event loop
     averager.py            ``DecentralizedAverager``: the blocking facade (hivemind's API)
+    moshpit.py             the rounds of one grid average on the event loop
 
 The public classes are re-exported here (lazily) under hivemind's names, so that
 ``from kit.averaging import DecentralizedAverager, Float16Compression`` reads like hivemind

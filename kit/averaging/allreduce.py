@@ -50,6 +50,7 @@ from kit.averaging.chunk_stream import (
     PROTOCOL,
     RoundBuffers,
     decode_chunk,
+    decode_peer_set,
     is_raw,
     payload_bound,
     receive_header,
@@ -343,10 +344,10 @@ class AllReduceRunner:
         for spec in self.plan.parts[k]:
             timeout = self._remaining(self.timeouts.reducer)
             header = await receive_header(stream, timeout)
-            mask = None if header is None else header.get("peers")
+            mask = None if header is None else decode_peer_set(header.get("peers"))
             if header is None or header["chunk"] != spec.chunk_index:
                 raise RemoteProtocolError(f"expected the average of chunk {spec.chunk_index}")
-            if not isinstance(mask, int) or isinstance(mask, bool) or mask & ~allowed or mask < 0:
+            if mask is None or mask & ~allowed:
                 raise RemoteProtocolError(f"chunk {spec.chunk_index}: bad peer set {mask!r:.40}")
             if mask:
                 await self._receive_average(stream, header, spec, timeout)

@@ -25,7 +25,7 @@ from kit.averaging.allreduce import AllReduceRunner, AveragingMode, Timeouts, ca
 from kit.averaging.chunk_stream import RoundBuffers
 from kit.averaging.compression import DTYPE_NAMES, TensorDescriptor
 from kit.averaging.control import AveragingStage, StepControl
-from kit.averaging.group import GroupInfo, schema_hash
+from kit.averaging.group import MAX_GROUP_SIZE, GroupInfo, schema_hash
 from kit.averaging.matchmaking import MemberInfo
 from kit.averaging.matchmaking_driver import AveragingRouter, MatchmakingDriver
 from kit.averaging.partition import PartitionPlan, RoundReport
@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 BANDWIDTH_EMA_ALPHA = 0.3  # weight of the newest round in the measured bandwidth
 MIN_MEASURED_BYTES = 2**20  # smaller rounds are latency-bound: they say nothing of bandwidth
-MAX_WAITING_STREAMS = 64  # all-reduce streams that arrived before their round started here
+MAX_WAITING_STREAMS = MAX_GROUP_SIZE  # all-reduce streams that came before their round began here
 RETRY_PAUSE = 0.1  # s between a failed round and the next search (a group failing at once)
 STAT_KEYS = (  # statistics() counters
     "full_rounds",  # every part averaged over every sender
@@ -256,9 +256,14 @@ class AsyncAverager:
         return StepControl(scheduled, deadline, allow_retries, float(weight))
 
     async def step(
-        self, weight: float | None = None, timeout: float | None = None
+        self,
+        weight: float | None = None,
+        timeout: float | None = None,
+        scheduled_time: float | None = None,
     ) -> RoundResult | None:
         """Find a group and average with it once (one try: kit's asynchronous API).
+
+        ``scheduled_time``: as in :meth:`make_control` (a leader waits for followers until then).
 
         Returns:
             What was averaged, or None if no group formed in time or the group disagreed.
@@ -266,7 +271,9 @@ class AsyncAverager:
         Raises:
             ConfigError: a weight that is not positive and finite.
         """
-        control = self.make_control(weight=weight, timeout=timeout, allow_retries=False)
+        control = self.make_control(
+            weight=weight, timeout=timeout, scheduled_time=scheduled_time, allow_retries=False
+        )
         control.allow_allreduce()
         try:
             return await self.run_step(control)

@@ -264,6 +264,31 @@ class DecentralizedAverager:
         matchmaking = self._require().matchmaking
         matchmaking.settings = dataclasses.replace(matchmaking.settings, target_group_size=size)
 
+    def set_deadlines(self, min_matchmaking_time: float, allreduce_timeout: float | None) -> None:
+        """Change the matchmaking time and round timeout of the next rounds (``"auto"``
+        deadlines of ``kit.Optimizer``: ``kit.averaging.deadlines``)."""
+        core = self._require()
+        self.settings = dataclasses.replace(
+            self.settings,
+            min_matchmaking_time=min_matchmaking_time,
+            allreduce_timeout=allreduce_timeout,
+        )
+        core.settings = dataclasses.replace(
+            core.settings,
+            min_matchmaking_time=min_matchmaking_time,
+            allreduce_timeout=allreduce_timeout,
+        )
+        core.matchmaking.settings = dataclasses.replace(
+            core.matchmaking.settings, min_matchmaking_time=min_matchmaking_time
+        )
+
+    def set_shards(self, shards: int) -> None:
+        """Declare first under one of ``shards`` shard keys of the group key (1: none); their
+        short chunks meet in a pool under the group key (``kit.averaging.grid.shards_for``)."""
+        if shards < 1:
+            raise ConfigError(f"shards={shards} - help: use 1 (no sharding) or more")
+        self._require().matchmaking.shards = shards
+
     def set_group_bits(self, group_bits: str) -> None:
         """Only averagers with the same group bits average together (e.g. the same epoch)."""
         if set(group_bits) - {"0", "1"}:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from kit.averaging.chunk_stream import decode_chunk
+from kit.averaging.chunk_stream import decode_chunk, encode_peer_set
 from kit.averaging.compression import (
     AdaptiveCompressionBase,
     CompressionBase,
@@ -147,7 +147,7 @@ class OutgoingAverages:
             return wire.packb({"chunk": chunk, "peers": 0}), None
         if self._rounded is not None and self._shared_lossy[chunk]:  # as every sender decodes it
             self._rounded[chunk] = extract(serialized).view(-1)
-        fields = {"chunk": chunk, "peers": mask, "delta": sent is not None}
+        fields = {"chunk": chunk, "peers": encode_peer_set(mask), "delta": sent is not None}
         return wire.packb({**fields, **serialized.header()}), memoryview(serialized.buffer).cast(
             "B"
         )

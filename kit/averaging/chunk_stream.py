@@ -88,6 +88,21 @@ async def receive_into(stream: StreamAPI, view: memoryview, timeout: float | Non
         raise RemoteProtocolError(f"expected a payload of {len(view)} bytes, got {size}")
 
 
+def encode_peer_set(mask: int) -> int | bytes:
+    """The set of senders averaged into a chunk (bit i: member i), as it travels: msgpack
+    integers stop at 64 bits, so larger groups send the bits as big-endian bytes."""
+    return mask if mask < 2**63 else mask.to_bytes((mask.bit_length() + 7) // 8, "big")
+
+
+def decode_peer_set(value: Any) -> int | None:
+    """The bit mask sent by :func:`encode_peer_set`, or None if it is not one."""
+    if isinstance(value, bytes) and len(value) <= 64:
+        return int.from_bytes(value, "big")
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
+
+
 async def receive_header(stream: StreamAPI, timeout: float | None) -> dict[str, Any] | None:
     """The next chunk header, or None if the other side closed the stream."""
     raw = await stream.receive_message(max_size=MAX_HEADER, timeout=timeout)

@@ -21,7 +21,13 @@ import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kit.averaging.matchmaking import Declaration, MemberInfo, Refusal, parse_addresses
+from kit.averaging.matchmaking import (
+    MAX_GONE,
+    Declaration,
+    MemberInfo,
+    Refusal,
+    parse_addresses,
+)
 from kit.errors import GroupMismatch, MalformedFrame
 from kit.p2p import wire
 from kit.p2p.identity import PeerID
@@ -298,3 +304,35 @@ def decode_leader_message(payload: bytes) -> tuple[str, Refusal | None, Any]:
     if code == "accepted":
         return code, None, None
     raise MalformedFrame(f"leader message: unknown code {code[:32]!r}")
+
+
+def encode_invite(
+    prefix: str, group_key: str, inviter: Declaration, gone: Sequence[PeerID]
+) -> bytes:
+    """A leader's invitation: these peers ahead of you are gone (see ``Matchmaker.invited_by``)."""
+    return wire.packb(
+        {
+            "prefix": prefix,
+            "group_key": group_key,
+            "inviter": _declaration_to_wire(inviter),
+            "gone": [p.to_bytes() for p in gone[:MAX_GONE]],
+        }
+    )
+
+
+def decode_invite(payload: bytes, caller: PeerID) -> tuple[str, str, Declaration, list[PeerID]]:
+    """(prefix, group key, inviter, gone peers) of an invitation from ``caller``.
+
+    Raises:
+        MalformedFrame: not an invitation, an inviter other than the caller, or bad peer ids.
+    """
+    body = wire.decode_map(payload, "invitation", {"prefix": str, "group_key": str, "gone": list})
+    inviter = _declaration_from_wire(body.get("inviter"))
+    if inviter is None or inviter.peer_id != caller:
+        raise MalformedFrame("invitation: the inviter must be the caller")
+    gone = body["gone"]
+    if len(gone) > MAX_GONE or not all(
+        isinstance(p, bytes) and len(p) == PeerID.SIZE for p in gone
+    ):
+        raise MalformedFrame("invitation: bad list of gone peers")
+    return body["prefix"], body["group_key"], inviter, [PeerID(p) for p in gone]

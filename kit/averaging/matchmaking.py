@@ -1,43 +1,95 @@
 """Matchmaking as a pure state machine: which peers average together, and in what order.
 
 Holds the ``Matchmaker`` (a sans-I/O core in the style of h11: ``Phase`` enum, transition table,
-every method takes ``now`` and returns the actions its driver must carry out) and the data it
-decides on: ``Declaration`` (what a looking peer publishes in the DHT), ``MemberInfo`` (what a
-follower tells its leader). It does not hold the wire format of the group (``kit.averaging.group``)
-or any I/O (the driver in ``kit.averaging.averager``).
+every method takes ``now`` and returns the actions its driver must carry out). The data it
+decides on (``Declaration``, ``MemberInfo``, the actions) is in ``kit.averaging.declarations``.
+It does not hold the wire format of the group (``kit.averaging.group``) or any I/O (the driver in
+``kit.averaging.matchmaking_driver``).
 
-How a group forms (after hivemind's ``Matchmaking``, simplified):
+How groups form (hivemind's leader/follower protocol, with deterministic chunks so it scales):
 
-* A peer that can accept connections declares itself under ``{prefix}.0b{bits}`` in the DHT with
-  its *expiration*: the time it will begin the round at the latest (now + min_matchmaking_time).
-  Every peer orders leaders by ``(expiration, peer id)``: whoever became ready first leads.
-* A peer that sees a better leader than itself asks to join it; a leader accepts followers until
-  the group has ``target_group_size`` members (then it begins at once) or its expiration passes
-  with at least ``min_group_size`` members. A peer that already follows (or is joining someone)
-  refuses join requests and names its own leader, so chains collapse onto one leader.
-* A leader that discovers a better leader disbands its followers (pointing them to it) and joins
-  it: views of the DHT differ for a moment, but ``(expiration, peer id)`` is a strict order, so
-  peers converge on the best leader they can all see.
-* Client-mode peers cannot lead (nobody can dial them): they never declare and only join.
-* A follower whose leader disappears looks again; nobody waits past its own deadline.
+* Every looking peer declares itself under ``{prefix}.0b{bits}`` in the DHT with its
+  *expiration*: the time it will begin a round at the latest (now + min_matchmaking_time).
+  Peers are ranked by ``(expiration, peer id)``: whoever became ready first comes first.
+  Client-mode peers declare too (with no address): they count, but cannot lead.
+* Each peer cuts the ranked list it sees into consecutive *chunks* of ``target_group_size``
+  (one chunk if it is None). The first peer of a chunk that can lead is its leader; the others
+  ask it to join. So 1,000 peers do not all ask the one best leader (hivemind's scheme: with
+  N peers and groups of G, O(N^2 / G) refused requests, and at 128 peers most of them failed):
+  they split into N / G groups at once, every group full but the last.
+* Because peers are ranked by when they became ready, a latecomer only appends to the list:
+  chunks already cut stay as they were. Views of the DHT differ for a moment after a burst of
+  arrivals, so nothing relies on them being exact: a leader accepts whoever asks until it has
+  ``target_group_size`` members (then it begins at once) or its expiration passes with at least
+  ``min_group_size``; a peer refused as ``full`` tries the leader of the next chunk (an earlier
+  peer that saw too short a list took its place); a chunk's leader that is gone or follows
+  someone else is skipped for the next peer of its chunk that can lead.
+* A leader that discovers a better leader of its own chunk disbands its followers (pointing
+  them to it) and joins it.
+* A peer whose chunk gathered nobody by its expiration asks any other leader, nearest chunks
+  first. Nobody waits past its own deadline.
+
+Sharded keys (a *sharded* search, when thousands of peers step at once): every peer polls the
+whole key it declared under, so one key of N declarations costs its replicas N^2 declarations
+per round of polls (1,024 peers: ~200 KB to each poller, ~80 MB from each replica over 100
+Mbit/s links: polls took seconds and chunks split). Moshpit SGD (Ryabinin et al., 2021, §3.1)
+spreads peers over the grid by random initial coordinates instead, which gives uneven groups;
+kit keeps whole groups with two steps: each peer declares under one of S shard keys (a hash of
+its id), and each shard is chunked as above; a peer whose chunk of its shard cannot fill
+(the shard's last chunk, once the shard had its matchmaking time to gather) moves to the
+*pool* key (``Pool``), where the remainders of every shard are chunked again, ranked by when
+they arrived. Every group but the pool's last is full: with N a multiple of G, all are.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import logging
 import math
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable
 
-from kit.errors import ConfigError, LocalProtocolError
+from kit.averaging.declarations import (
+    MAX_ADDRESS_LENGTH,
+    MAX_ADDRESSES,
+    MAX_GONE,
+    Action,
+    AskLeader,
+    Begin,
+    Declaration,
+    Invite,
+    MatchmakingSettings,
+    MemberInfo,
+    Pool,
+    Refusal,
+    Release,
+    parse_addresses,
+)
+from kit.errors import LocalProtocolError
 from kit.p2p.identity import PeerID
 
-logger = logging.getLogger(__name__)
+__all__ = [  # the data types live in kit.averaging.declarations; importable from here too
+    "MAX_ADDRESS_LENGTH",
+    "MAX_ADDRESSES",
+    "MAX_GONE",
+    "Action",
+    "AskLeader",
+    "Begin",
+    "Declaration",
+    "Invite",
+    "Matchmaker",
+    "MatchmakingSettings",
+    "MemberInfo",
+    "Phase",
+    "Pool",
+    "Refusal",
+    "Release",
+    "Trigger",
+    "TRANSITIONS",
+    "FINAL_PHASES",
+    "parse_addresses",
+]
 
-MAX_ADDRESSES = 8  # addresses kept per peer (declarations, join requests, groups)
-MAX_ADDRESS_LENGTH = 1024  # characters of one address
+logger = logging.getLogger(__name__)
 
 
 class Phase(enum.Enum):
@@ -61,6 +113,7 @@ class Trigger(enum.Enum):
     BEGIN = "begin"
     GROUP_RECEIVED = "group_received"
     LEADER_LOST = "leader_lost"
+    POOL = "pool"  # its shard's chunk cannot fill: look again under the pool key
     DEADLINE = "deadline"
     CANCEL = "cancel"
 
@@ -71,6 +124,7 @@ TRANSITIONS: dict[Phase, dict[Trigger, Phase]] = {
     Phase.LOOKING: {
         Trigger.ASK_LEADER: Phase.JOINING,
         Trigger.FOLLOWER_JOINED: Phase.LEADING,
+        Trigger.POOL: Phase.LOOKING,
         **_ENDINGS,
     },
     Phase.JOINING: {Trigger.ACCEPTED: Phase.FOLLOWING, Trigger.REFUSED: Phase.LOOKING, **_ENDINGS},
@@ -84,151 +138,45 @@ TRANSITIONS: dict[Phase, dict[Trigger, Phase]] = {
         Trigger.LAST_FOLLOWER_LEFT: Phase.LOOKING,
         Trigger.DISBAND: Phase.JOINING,
         Trigger.BEGIN: Phase.ASSEMBLED,
+        Trigger.POOL: Phase.LOOKING,
         **_ENDINGS,
     },
     Phase.ASSEMBLED: {},
     Phase.FAILED: {},
 }
 FINAL_PHASES = (Phase.ASSEMBLED, Phase.FAILED)
-
-
-@dataclasses.dataclass(frozen=True)
-class MatchmakingSettings:
-    """How groups form; every field is an argument of ``DecentralizedAverager``."""
-
-    target_group_size: int | None = None  # begin at once with this many members (None: no cap)
-    min_group_size: int = 2  # fewer members than this never begin a round
-    min_matchmaking_time: float = 5.0  # a leader waits this long for followers before beginning
-    request_timeout: float = 3.0  # a leader must answer a join request within this; retry after it
-
-    def __post_init__(self) -> None:
-        if self.min_group_size < 2:
-            raise ConfigError(
-                f"min_group_size={self.min_group_size} must be >= 2"
-                " - help: a round needs at least two peers"
-            )
-        if self.target_group_size is not None and self.target_group_size < self.min_group_size:
-            raise ConfigError(
-                f"target_group_size={self.target_group_size} < min_group_size="
-                f"{self.min_group_size} - help: raise target_group_size or leave it None"
-            )
-        if not (self.min_matchmaking_time >= 0 and self.request_timeout > 0):
-            raise ConfigError(
-                "min_matchmaking_time must be >= 0 and request_timeout > 0 seconds"
-                " - help: e.g. min_matchmaking_time=5 (internet: 10-15), request_timeout=3"
-            )
-
-
-@dataclasses.dataclass(frozen=True)
-class Declaration:
-    """A looking peer's entry under the group key: it leads if it is the best one around."""
-
-    peer_id: PeerID
-    expiration: float  # DHT time by which it begins a round, if it has enough followers
-    addresses: tuple[str, ...]  # where to dial it
-
-    @property
-    def rank(self) -> tuple[float, bytes]:
-        """Leaders are ordered by this: the earliest expiration, then the smallest id."""
-        return (self.expiration, self.peer_id.to_bytes())
-
-    def to_value(self) -> dict[str, Any]:
-        return {"expiration": self.expiration, "addresses": list(self.addresses)}
-
-    @classmethod
-    def parse_entries(cls, entries: Any, now: float) -> list[Declaration]:
-        """Declarations from a DHT dictionary value ``{subkey: (value, expiration)}``.
-
-        Entries of other shapes (tombstones, hostile or corrupted values) are skipped.
-        """
-        declarations: list[Declaration] = []
-        if not isinstance(entries, Mapping):
-            return declarations
-        for subkey, item in entries.items():
-            value = getattr(item, "value", None)
-            expiration_time = getattr(item, "expiration_time", 0.0)
-            if not isinstance(subkey, bytes) or len(subkey) != PeerID.SIZE:
-                continue
-            if not isinstance(value, Mapping) or not expiration_time >= now:
-                continue
-            expiration, addresses = value.get("expiration"), value.get("addresses")
-            if not (isinstance(expiration, float | int) and math.isfinite(expiration)):
-                continue
-            parsed = parse_addresses(addresses)
-            if parsed is not None:
-                declarations.append(cls(PeerID(subkey), float(expiration), parsed))
-        return declarations
-
-
-def parse_addresses(addresses: Any) -> tuple[str, ...] | None:
-    """Untrusted addresses as a tuple of at most MAX_ADDRESSES strings, or None if malformed."""
-    if not isinstance(addresses, list | tuple) or len(addresses) > MAX_ADDRESSES:
-        return None
-    if not all(isinstance(a, str) and 0 < len(a) <= MAX_ADDRESS_LENGTH for a in addresses):
-        return None
-    return tuple(addresses)
-
-
-@dataclasses.dataclass(frozen=True)
-class MemberInfo:
-    """What a peer brings to a group (a follower sends it in its join request)."""
-
-    peer_id: PeerID
-    client_mode: bool  # accepts no connections: aggregates nothing
-    auxiliary: bool  # aggregates, but contributes no vector (weight 0)
-    weight: float  # this round's weight of its vector (e.g. samples); 0 for auxiliary peers
-    bandwidth: float | None  # for load balancing; None = unknown (the group's mean is used)
-    addresses: tuple[str, ...]  # where to dial it (empty for client-mode peers)
-
-
-@dataclasses.dataclass(frozen=True)
-class AskLeader:
-    """Open a join request to ``leader`` (its addresses are in ``declaration``)."""
-
-    declaration: Declaration
-
-
-@dataclasses.dataclass(frozen=True)
-class Release:
-    """Tell these followers the group will not happen here; ``suggested``: who to ask instead."""
-
-    followers: tuple[PeerID, ...]
-    suggested: Declaration | None
-
-
-@dataclasses.dataclass(frozen=True)
-class Begin:
-    """This peer leads the group ``members`` (itself first, then followers in join order)."""
-
-    members: tuple[MemberInfo, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class Refusal:
-    """Why a join request was refused, and who the asker should try instead."""
-
-    reason: str  # not_looking | following | full | not_a_leader
-    suggested: Declaration | None = None
-
-
-Action = AskLeader | Release | Begin
+# Worth asking again after a while: it may lead by then.
+TRANSIENT_REFUSALS = frozenset({"following", "joining", "released", "duplicate"})
 
 
 class Matchmaker:
     """One peer's search for a group, from ``start`` to ASSEMBLED or FAILED. Pure: no I/O.
 
-    Times are DHT times (wall clock shared by peers), passed in as ``now``.
+    Times are DHT times (wall clock shared by peers), passed in as ``now``. ``sharded``: it
+    declares under one of several shard keys and moves to the pool key if its chunk there
+    cannot fill (see the module; needs a target_group_size).
     """
 
-    def __init__(self, me: MemberInfo, settings: MatchmakingSettings) -> None:
+    def __init__(
+        self, me: MemberInfo, settings: MatchmakingSettings, *, sharded: bool = False
+    ) -> None:
         self.me = me
         self.settings = settings
+        self.sharded = sharded and settings.target_group_size is not None
         self.phase = Phase.IDLE
         self.expiration = math.inf  # when this peer begins as a leader at the latest
         self.deadline = math.inf  # when it gives up
+        self.started = math.inf  # when it began looking
+        self.last_join = -math.inf  # when its latest follower joined
         self.followers: dict[PeerID, MemberInfo] = {}  # in join order
         self.leader: Declaration | None = None  # who it joins or follows
-        self.refused_at: dict[PeerID, float] = {}  # leaders not to ask again for a while
+        self.view: dict[PeerID, Declaration] = {}  # every other peer this search saw declared
+        self.first_view = math.inf  # when a poll first showed a settled view (see observe)
+        self._ahead: frozenset[PeerID] | None = None  # who ranks before us, as polled
+        self._ahead_since = math.inf  # when a poll last showed someone new ahead of us
+        self.settle_time = 0.0  # how long that must not happen before we decide (the driver's)
+        self.invited: set[PeerID] = set()  # chunk-mates told which peers are gone
+        self.refused: dict[PeerID, tuple[float, str]] = {}  # who refused us, when and why
         self.members: tuple[MemberInfo, ...] | None = None  # set when it begins as leader
         self.failure = ""  # why it failed
 
@@ -250,53 +198,262 @@ class Matchmaker:
 
     def start(
         self, now: float, deadline: float, scheduled_time: float | None = None
-    ) -> Declaration | None:
-        """Begin looking; returns the declaration to publish (None for client-mode peers).
+    ) -> Declaration:
+        """Begin looking; returns the declaration to publish (a client's has no address).
 
         ``scheduled_time``: when to begin the round as a leader at the latest (hivemind's
         ``step(scheduled_time=...)``); default now + min_matchmaking_time."""
         self._move(Trigger.START)
-        self.deadline = deadline
+        self.deadline, self.started = deadline, now
         begin = (
             now + self.settings.min_matchmaking_time if scheduled_time is None else scheduled_time
         )
         self.expiration = min(begin, deadline)
-        return self.declaration if self.can_lead else None
+        return self.declaration
 
-    # --- what the driver observes -------------------------------------------------------------
+    # --- choosing a leader ------------------------------------------------------------------
 
-    def observe(self, now: float, declarations: Iterable[Declaration]) -> list[Action]:
-        """The DHT shows these declarations: ask a better leader, if one is there."""
-        if self.phase not in (Phase.LOOKING, Phase.LEADING):
-            return []
-        best = self._best_leader(now, declarations)
-        if best is None:
-            return []
+    def _chunks(self) -> tuple[list[list[Declaration]], int]:
+        """The ranked view (this peer included) cut into chunks, and this peer's chunk index.
+
+        Peers found unreachable are left out: a crashed peer's declaration stays in the DHT
+        until it expires, and would hold a place in a chunk that nobody fills."""
+        gone = [p for p, (_, reason) in self.refused.items() if reason == "unreachable"]
+        alive = [d for d in self.view.values() if d.peer_id not in gone]
+        ranked = sorted([*alive, self.declaration], key=lambda d: d.rank)
+        size = self.settings.target_group_size or len(ranked)
+        chunks = [ranked[i : i + size] for i in range(0, len(ranked), size)]
+        position = next(i for i, d in enumerate(ranked) if d.peer_id == self.me.peer_id)
+        return chunks, position // size
+
+    def _refusal(self, now: float, peer_id: PeerID) -> str | None:
+        """Why ``peer_id`` refused us (None: ask it). A peer that follows another may lead later
+        (its leader may release it): asked again after request_timeout. Any other refusal (full,
+        gone, not looking, went away) holds for the rest of this search."""
+        refused = self.refused.get(peer_id)
+        if refused is None:
+            return None
+        retry = self.settings.request_timeout / (4 if refused[1] == "joining" else 1)
+        if refused[1] in TRANSIENT_REFUSALS and now - refused[0] >= retry:
+            return None
+        return refused[1]
+
+    def _chunk_leader(
+        self, now: float, chunk: list[Declaration], may_lead: bool
+    ) -> Declaration | None:
+        """The leader of ``chunk`` to ask (this peer itself if ``may_lead``), or None.
+
+        Its first peer that can lead; if that one refused us because it follows someone else,
+        is no longer looking (its group began; or it was not our chunk's leader after all) or
+        could not be reached, the next one. A chunk whose leader is ``full`` has formed its
+        group without us: None. A leader that was itself asking someone a moment ago is asked
+        again soon, never walked past (whoever walks past it would lead the same chunk a
+        second time): None meanwhile.
+        """
+        for declaration in chunk:
+            if declaration.peer_id == self.me.peer_id:
+                if self.can_lead and may_lead:
+                    return declaration
+                continue
+            if not declaration.can_lead:
+                continue
+            reason = self._refusal(now, declaration.peer_id)
+            if reason is None:
+                return declaration
+            if reason in ("full", "joining"):
+                return None
+        return None
+
+    def _target(self, now: float, anywhere: bool) -> Declaration | None:
+        """Whom to ask: the leader of this peer's chunk, else of the next chunks; ``anywhere``
+        (nobody came to this peer in time) also the chunks before it, nearest first.
+        None: lead (or wait)."""
+        chunks, mine = self._chunks()
+        order = list(range(mine, len(chunks)))
+        # A chunk too small to begin a round (the remainder) looks in the others at once.
+        anywhere = anywhere or len(chunks[mine]) < self.settings.min_group_size
+        if anywhere or not self.can_lead:
+            order += list(range(mine - 1, -1, -1))
+        for index in order:
+            leader = self._chunk_leader(now, chunks[index], may_lead=not anywhere)
+            if leader is None:
+                continue
+            if leader.peer_id == self.me.peer_id:
+                return None  # this peer leads its chunk: wait for the others
+            return leader
+        return None
+
+    def _ask(self, target: Declaration) -> list[Action]:
         actions: list[Action] = []
-        if self.phase is Phase.LEADING:  # a better leader showed up: bring the followers along
-            actions.append(Release(tuple(self.followers), best))
+        if self.phase is Phase.LEADING:  # bring the followers along
+            actions.append(Release(tuple(self.followers), target))
             self.followers.clear()
             self._move(Trigger.DISBAND)
         else:
             self._move(Trigger.ASK_LEADER)
-        self.leader = best
-        actions.append(AskLeader(best))
+        self.leader = target
+        actions.append(AskLeader(target))
         return actions
 
-    def _best_leader(self, now: float, declarations: Iterable[Declaration]) -> Declaration | None:
-        retry_after = self.settings.request_timeout
-        candidates = [
-            d
-            for d in declarations
-            if d.peer_id != self.me.peer_id
-            and now - self.refused_at.get(d.peer_id, -math.inf) >= retry_after
-            and (not self.can_lead or d.rank < self.declaration.rank)
-        ]
-        return min(candidates, key=lambda d: d.rank, default=None)
+    def _settled(self) -> float:
+        """When the others had time to find this peer: its expiration, but never less than a
+        request_timeout after its first view of the DHT (when stores and polls are slow, e.g.
+        hundreds of peers on one CPU, the expiration may pass before anyone saw anyone)."""
+        seen = self.first_view + self.settings.request_timeout
+        return max(self.expiration, min(seen, self.deadline - self.settings.request_timeout))
+
+    def _begin_at(self) -> float:
+        """A leader begins with the followers it has (at least min_group_size) at this time;
+        later if peers of its chunk (as it sees it) have not joined yet: they may still be
+        deciding (their stores landed late, so their views settled late). It then waits twice
+        as long as its own view took to settle (views settle at times spread about that much:
+        hundreds of peers sharing one loaded CPU settled from 20 to 90 s, and leaders that
+        waited a fixed time split their chunks in two), and a request_timeout after the latest
+        follower joined."""
+        begin = self._settled()
+        if self.first_view < math.inf and 1 + len(self.followers) < self._chunk_size():
+            timeout = self.settings.request_timeout
+            waited = max(2 * timeout, 2 * (self.first_view - self.started))
+            patient = max(self.first_view + waited, self.last_join + timeout)
+            begin = max(begin, min(patient, self.deadline - timeout))
+        return begin
+
+    def _chunk_size(self) -> int:
+        chunks, mine = self._chunks()
+        return len(chunks[mine])
+
+    def _given_up_on_chunk(self, now: float) -> bool:
+        """Nobody came to this peer although it had time to be found: look anywhere."""
+        return now >= self._settled()
+
+    def _reconsider(self, now: float) -> list[Action]:
+        """After a poll, a refusal or a lost leader: ask whoever the view says to ask now."""
+        if self.phase is Phase.LOOKING and self.sharded:
+            return self._reconsider_in_shard(now)
+        if self.phase is Phase.LOOKING:
+            anywhere = self._given_up_on_chunk(now)
+            target = self._target(now, anywhere)
+            return self._ask(target) if target is not None else self._invitations()
+        if self.phase is Phase.LEADING:
+            target = self._target(now, anywhere=False)
+            # Only a better leader of this peer's own chunk is worth disbanding for.
+            if target is not None and target.rank < self.declaration.rank:
+                return self._ask(target)
+            return self._invitations()
+        return []
+
+    def _reconsider_in_shard(self, now: float) -> list[Action]:
+        """A sharded search looks in its own chunk only; what cannot form there goes to the
+        pool (not to other chunks of the shard: those fill with their own peers)."""
+        chunks, mine = self._chunks()
+        chunk, given_up = chunks[mine], self._given_up_on_chunk(now)
+        if len(chunk) < self._target_size():
+            # The shard's last chunk: more peers may append to it until they all had their
+            # matchmaking time; then it goes to the pool as a whole.
+            return self._pool(now) if given_up else []
+        leader = self._chunk_leader(now, chunk, may_lead=True)
+        if leader is None:  # formed without us (full), or its leader is asking: wait a little
+            full = any(self._refusal(now, d.peer_id) == "full" for d in chunk)
+            return self._pool(now) if full or given_up else []
+        if leader.peer_id != self.me.peer_id:
+            return self._ask(leader)
+        if given_up and now >= self._begin_at():  # we lead, and nobody came: try the pool
+            return self._pool(now)
+        return self._invitations()
+
+    def _target_size(self) -> int:
+        return self.settings.target_group_size or 0
+
+    def _pool(self, now: float) -> list[Action]:
+        """Leave the shard for the pool key: a new search there, ranked by arrival (so that
+        the remainders of slow shards append to the pool's chunks, never shift them)."""
+        actions: list[Action] = []
+        if self.followers:
+            actions.append(Release(tuple(self.followers), None))
+            self.followers.clear()
+        self._move(Trigger.POOL)
+        self.sharded = False
+        self.view.clear()
+        self.refused.clear()
+        self.invited.clear()
+        self.first_view, self._ahead, self._ahead_since = math.inf, None, math.inf
+        self.started, self.last_join = now, -math.inf
+        self.expiration = min(now + self.settings.min_matchmaking_time, self.deadline)
+        actions.append(Pool(self.declaration))
+        return actions
+
+    def _invitations(self) -> list[Action]:
+        """This peer leads its chunk, and knows peers ahead that are gone (crashed, their
+        declarations not expired yet): its chunk-mates who do not know it count themselves in
+        the next chunk. Tell them, once each."""
+        gone = tuple(p for p, (_, reason) in self.refused.items() if reason == "unreachable")
+        if not gone or self.first_view == math.inf:
+            return []
+        chunks, mine = self._chunks()
+        actions: list[Action] = []
+        for declaration in chunks[mine]:
+            peer_id = declaration.peer_id
+            if peer_id == self.me.peer_id or peer_id in self.followers or peer_id in self.invited:
+                continue
+            self.invited.add(peer_id)
+            actions.append(Invite(declaration, gone[:MAX_GONE]))
+        return actions
+
+    def invited_by(self, now: float, inviter: Declaration, gone: Iterable[PeerID]) -> list[Action]:
+        """A leader says these peers ahead of us are gone: recount, maybe join it."""
+        for peer_id in gone:
+            if peer_id != self.me.peer_id and peer_id != inviter.peer_id:
+                self.refused[peer_id] = (now, "unreachable")
+        if inviter.peer_id != self.me.peer_id:
+            self.view[inviter.peer_id] = inviter
+        return self._reconsider(now) if self.first_view < math.inf else []
+
+    # --- what the driver observes -------------------------------------------------------------
+
+    def observe(
+        self, now: float, declarations: Iterable[Declaration], *, confirms: bool = True
+    ) -> list[Action]:
+        """The DHT shows these declarations (a fresh poll of the group key, maybe partial).
+
+        ``confirms``: the poll may confirm that nobody new is ahead of us (the driver says no
+        when the replicas it read lacked even our own declaration: they lag behind).
+        """
+        # The view is every declaration this search has seen: one poll reads a few replicas
+        # and may miss stores that have not reached them yet, and peers whose groups formed
+        # withdraw while later chunks still form; neither may shift anyone's place.
+        for d in declarations:
+            if d.peer_id != self.me.peer_id:
+                self.view[d.peer_id] = d
+        if self.first_view == math.inf:
+            # Decide on a settled view only: peers ranked before us declared before us, but
+            # their stores may land after ours (hundreds of peers at once). Wait until polls
+            # showed nobody new ahead of us for ``settle_time`` (later peers only append).
+            rank = self.declaration.rank
+            ahead = frozenset(d.peer_id for d in self.view.values() if d.rank < rank)
+            if self._ahead is None or not ahead <= self._ahead:
+                self._ahead, self._ahead_since = ahead, now
+                if self.phase is Phase.LOOKING:
+                    return []
+            waiting = not confirms or now - self._ahead_since < self.settle_time
+            if waiting and self.phase is Phase.LOOKING:
+                return []
+            self.first_view = now
+        return self._reconsider(now)
+
+    def suggested(self, now: float, declaration: Declaration) -> list[Action]:
+        """A disbanding leader pointed us to ``declaration``: ask it (if we may)."""
+        if declaration.peer_id == self.me.peer_id or not declaration.can_lead:
+            return self._reconsider(now)
+        self.view[declaration.peer_id] = declaration
+        if self.phase is not Phase.LOOKING or self._refusal(now, declaration.peer_id) is not None:
+            return self._reconsider(now)
+        return self._ask(declaration)
 
     def join_request(self, now: float, member: MemberInfo) -> tuple[Refusal | None, list[Action]]:
         """A peer asks to follow this one. Returns (None, actions) if accepted, else a refusal."""
-        if self.phase in (Phase.JOINING, Phase.FOLLOWING):
+        if self.phase is Phase.JOINING:  # undecided for a moment: ask again soon
+            return Refusal("joining", self.leader), []
+        if self.phase is Phase.FOLLOWING:
             return Refusal("following", self.leader), []
         if self.phase not in (Phase.LOOKING, Phase.LEADING):
             return Refusal("not_looking"), []
@@ -304,10 +461,11 @@ class Matchmaker:
             return Refusal("not_a_leader"), []
         target = self.settings.target_group_size
         if member.peer_id in self.followers or member.peer_id == self.me.peer_id:
-            return Refusal("not_looking"), []
+            return Refusal("duplicate"), []
         if target is not None and 1 + len(self.followers) >= target:
             return Refusal("full"), []
         self.followers[member.peer_id] = member
+        self.last_join = now
         self._move(Trigger.FOLLOWER_JOINED)
         return None, self.tick(now)
 
@@ -325,23 +483,31 @@ class Matchmaker:
         if refusal is None:
             self._move(Trigger.ACCEPTED)
             return []
-        self.refused_at[leader] = now
+        self.refused[leader] = (now, refusal.reason)
         self.leader = None
         self._move(Trigger.REFUSED)
-        suggested = refusal.suggested
-        return self.observe(now, [suggested] if suggested is not None else [])
+        if refusal.reason == "following" and refusal.suggested is not None:
+            # Its leader leads the group forming there: ask it rather than walk its followers.
+            return self.suggested(now, refusal.suggested)
+        return self._reconsider(now)
 
-    def leader_lost(self, now: float, leader: PeerID) -> list[Action]:
-        """The leader went away, refused to answer in time, or released this follower."""
+    def leader_lost(
+        self, now: float, leader: PeerID, suggested: Declaration | None = None
+    ) -> list[Action]:
+        """The leader went away, did not answer in time, or released this follower (pointing
+        it to ``suggested``)."""
         if self.leader is None or self.leader.peer_id != leader:
             return []
         if self.phase is Phase.JOINING:
-            return self.join_answered(now, leader, Refusal("not_looking"))
-        if self.phase is Phase.FOLLOWING:
-            self.refused_at[leader] = now
-            self.leader = None
-            self._move(Trigger.LEADER_LOST)
-        return []
+            return self.join_answered(now, leader, Refusal("unreachable"))
+        if self.phase is not Phase.FOLLOWING:
+            return []
+        self.refused[leader] = (now, "released")
+        self.leader = None
+        self._move(Trigger.LEADER_LOST)
+        if suggested is not None:
+            return self.suggested(now, suggested)
+        return self._reconsider(now)
 
     def group_received(self, now: float, leader: PeerID) -> None:
         """The leader sent the group (the driver checked it): matchmaking is over."""
@@ -360,19 +526,24 @@ class Matchmaker:
     # --- time ------------------------------------------------------------------------------
 
     def tick(self, now: float) -> list[Action]:
-        """Begin as leader or give up, if it is time."""
+        """Begin as leader, look elsewhere, or give up, if it is time."""
         if self.phase is Phase.LEADING:
             size = 1 + len(self.followers)
             full = self.settings.target_group_size is not None and (
                 size >= self.settings.target_group_size
             )
-            if full or (now >= self.expiration and size >= self.settings.min_group_size):
+            due = now >= self._begin_at()
+            if due and not full and self.sharded and self._chunk_size() < self._target_size():
+                return self._pool(now)  # the shard's last chunk: its peers meet the others'
+            if full or (due and size >= self.settings.min_group_size):
                 self.members = (self.me, *self.followers.values())
                 self._move(Trigger.BEGIN)
                 return [Begin(self.members)]
         if now >= self.deadline and self.phase not in FINAL_PHASES:
             reason = f"no group of at least {self.settings.min_group_size} peers in time"
             return self._fail(reason, Trigger.DEADLINE)
+        if self.phase is Phase.LOOKING and self._given_up_on_chunk(now):
+            return self._reconsider(now)  # nobody came to us: join anyone with room
         return []
 
     def _fail(self, reason: str, trigger: Trigger = Trigger.CANCEL) -> list[Action]:
@@ -384,10 +555,15 @@ class Matchmaker:
         self._move(trigger)
         return actions
 
-    def next_wakeup(self) -> float:
+    def next_wakeup(self, now: float) -> float:
         """When ``tick`` must run next, if nothing else happens before."""
         if self.phase in FINAL_PHASES:
             return math.inf
-        if self.phase is Phase.LEADING:
-            return min(self.expiration, self.deadline)
+        if self.phase is Phase.LEADING:  # past its begin time it waits for followers (events)
+            begin = self._begin_at()
+            return min(begin if begin > now else self.deadline, self.deadline)
+        if self.phase is Phase.LOOKING and not self._given_up_on_chunk(now):
+            return min(self._settled(), self.deadline)
+        if self.phase is Phase.LOOKING:  # looking anywhere: retry as refusals wear off
+            return min(now + self.settings.request_timeout, self.deadline)
         return self.deadline

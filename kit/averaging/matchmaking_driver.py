@@ -14,8 +14,10 @@ that goes away is noticed by the leader at once, and a leader that goes away by 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import logging
+import math
 import os
 import weakref
 from collections.abc import Awaitable, Callable
@@ -24,14 +26,23 @@ from typing import Any, Protocol
 from kit.averaging.allreduce import cancel_and_wait
 from kit.averaging.balancing import load_balance_peers, preload_solver
 from kit.averaging.chunk_stream import PROTOCOL as ALLREDUCE_PROTOCOL
+from kit.averaging.grid import (
+    coordinate,
+    coordinate_bits,
+    coordinate_to_bits,
+    next_power_of_two,
+    rotated_bits,
+)
 from kit.averaging.group import (
     GROUP_ID_BYTES,
     MAX_MESSAGE,
     GroupInfo,
+    decode_invite,
     decode_join_request,
     decode_leader_message,
     encode_answer,
     encode_begin,
+    encode_invite,
     encode_join_request,
     encode_release,
 )
@@ -41,10 +52,12 @@ from kit.averaging.matchmaking import (
     AskLeader,
     Begin,
     Declaration,
+    Invite,
     Matchmaker,
     MatchmakingSettings,
     MemberInfo,
     Phase,
+    Pool,
     Refusal,
     Release,
 )
@@ -57,7 +70,10 @@ from kit.p2p.identity import PeerID
 logger = logging.getLogger(__name__)
 
 JOIN_PROTOCOL = "kit/averaging/join/1"
+INVITE_PROTOCOL = "kit/averaging/invite/1"
+MAX_INVITE = 16 * 1024  # bytes of an invitation (MAX_GONE peer ids and one declaration)
 FIRST_MESSAGE_TIMEOUT = 10.0  # a stream's first message comes right after it opens
+POLL_REPLICAS = 2  # DHT nodes a poll reads the declarations from (each returns all of them)
 POLL_DELAYS = (
     0.0,
     0.01,
@@ -86,6 +102,7 @@ class AveragingRouter:
     def __init__(self, peer: PeerAPI) -> None:
         self.averagers: dict[str, AveragerEndpoint] = {}
         peer.add_stream_handler(JOIN_PROTOCOL, self._serve_join)
+        peer.add_unary_handler(INVITE_PROTOCOL, self._serve_invite, max_request=MAX_INVITE)
         peer.add_stream_handler(ALLREDUCE_PROTOCOL, self._serve_allreduce)
 
     @classmethod
@@ -106,6 +123,13 @@ class AveragingRouter:
             await stream.send_message(encode_answer(Refusal("not_looking")), timeout=5.0)
             return
         await averager.matchmaking.serve_join(stream, key, schema, member)
+
+    async def _serve_invite(self, caller: PeerID, payload: bytes) -> bytes:
+        prefix, key, inviter, gone = decode_invite(payload, caller)
+        averager = self.averagers.get(prefix)
+        if averager is not None:
+            averager.matchmaking.invited(key, inviter, gone)
+        return b""
 
     async def _serve_allreduce(self, stream: StreamAPI) -> None:
         raw = await stream.receive_message(max_size=4096, timeout=FIRST_MESSAGE_TIMEOUT)
@@ -148,13 +172,26 @@ class MatchmakingDriver:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._wakeup = asyncio.Event()
         self._group: GroupInfo | None = None
+        # Shard keys of the next search (1: the group key alone); see kit.averaging.matchmaking.
+        self.shards = 1
+        self._searching: list[asyncio.Task[Any]] = []  # the current key's declare and poll
         self._declared_until = 0.0
+        self._declared_key = self.group_key  # the key of the current (or last) search
         self._pending_withdrawal = 0.0  # declared until then; withdrawn once the round ends
 
     @property
     def group_key(self) -> str:
         """The DHT key of this averager's group (hivemind's ``{prefix}.0b{bits}``)."""
         return f"{self.prefix}.0b{self.group_bits}"
+
+    def shard_key(self, peer_id: PeerID) -> str:
+        """Where ``peer_id`` declares first: the group key, or one of its ``shards`` shards
+        (by a hash of the id: the same for every peer that computes it)."""
+        if self.shards <= 1:
+            return self.group_key
+        digest = hashlib.sha256(self.group_key.encode() + peer_id.to_bytes()).digest()
+        shard = int.from_bytes(digest[:8], "big") % self.shards
+        return f"{self.group_key}.shard{shard}of{self.shards}"
 
     @property
     def followers(self) -> tuple[PeerID, ...]:
@@ -175,36 +212,38 @@ class MatchmakingDriver:
 
         After a group's round, call :meth:`withdraw_after_round` (its declaration stays in the
         DHT till then, so no DHT store competes with the all-reduce for the links)."""
-        matchmaker = self._matchmaker = Matchmaker(me, self.settings)
+        sharded = self.shards > 1
+        matchmaker = self._matchmaker = Matchmaker(me, self.settings, sharded=sharded)
         self._group, self._declared_until = None, 0.0
+        self._declared_key = self.shard_key(me.peer_id)
         declaration = matchmaker.start(get_dht_time(), deadline, scheduled_time)
-        declared = asyncio.Event()  # the first poll waits for our own declaration: then every
-        if declaration is not None:  # peer that declared before us is visible to it
+        if matchmaker.can_lead:
             preload_solver()  # this peer may lead: its LP must not wait for scipy's import
-            self._spawn(self._declare(matchmaker, declaration, declared))
-        else:
-            declared.set()
-        self._spawn(self._poll(matchmaker, declared))
+        self._search_under_key(matchmaker, declaration)
         try:
             while True:
                 self._execute(matchmaker.tick(get_dht_time()))
                 if matchmaker.phase in FINAL_PHASES:
                     break
                 self._wakeup.clear()
-                delay = matchmaker.next_wakeup() - get_dht_time()
+                now = get_dht_time()
+                delay = matchmaker.next_wakeup(now) - now
                 try:
                     await asyncio.wait_for(self._wakeup.wait(), max(delay, 0.0) + 1e-3)
                 except asyncio.TimeoutError:
                     pass
             if matchmaker.phase is Phase.FAILED:
                 logger.info("%s: no group (%s)", self.prefix, matchmaker.failure)
-            return self._group if matchmaker.phase is Phase.ASSEMBLED else None
+            if matchmaker.phase is Phase.ASSEMBLED and self._group is not None:
+                self._move_on_grid(self._group, me.peer_id)
+                return self._group
+            return None
         finally:
             assembled = matchmaker.phase is Phase.ASSEMBLED and self._group is not None
             self._execute(matchmaker.cancel("the search ended"))
             self._matchmaker = None
             await cancel_and_wait(list(self._tasks), 1.0)
-            if declaration is not None and assembled:
+            if assembled:
                 # Not now: the all-reduce is about to fill every link to the other members, and
                 # a DHT store queued behind its chunks times out (seen on 100 Mbit/s links: 3-6
                 # s, every member then marked failed, and the next round's polls saw half the
@@ -212,14 +251,46 @@ class MatchmakingDriver:
                 # a peer that asks us is refused (not_looking), and most often the
                 # declaration has expired by the round's end anyway (see _declare's period).
                 self._pending_withdrawal = self._declared_until
-            elif declaration is not None:
-                self._spawn_owned(self._withdraw(self._declared_until))
+            else:
+                self._spawn_owned(self._withdraw(self._declared_key, self._declared_until))
 
-    def _spawn(self, work: Awaitable[Any]) -> None:
+    def _search_under_key(self, matchmaker: Matchmaker, declaration: Declaration) -> None:
+        """Declare under ``_declared_key`` and poll it (the first poll waits for our store)."""
+        declared = asyncio.Event()
+        self._searching = [
+            self._spawn(self._declare(matchmaker, declaration, declared)),
+            self._spawn(self._poll(matchmaker, declared)),
+        ]
+
+    def _to_pool(self, pool: Pool) -> None:
+        """The shard's chunk cannot fill: withdraw there, look under the group key."""
+        matchmaker = self._matchmaker
+        assert matchmaker is not None
+        for task in self._searching:
+            task.cancel()
+        self._spawn_owned(self._withdraw(self._declared_key, self._declared_until))
+        logger.debug("%s: to the pool from %s", self.prefix, self._declared_key)
+        self._declared_key, self._declared_until = self.group_key, 0.0
+        self._search_under_key(matchmaker, pool.declaration)
+
+    def _move_on_grid(self, group: GroupInfo, me: PeerID) -> None:
+        """Moshpit (hivemind's ``update_key_on_group_assembled``): with group bits, this peer's
+        place in its group becomes the newest coordinate of its key (``kit.averaging.grid``),
+        so that the next round averages with other groups, one member of each."""
+        if not self.group_bits:
+            return
+        buckets = self.settings.target_group_size or next_power_of_two(len(group))
+        buckets = max(buckets, len(group))
+        new = coordinate(group.group_id, group.peers, me, buckets)
+        chunk = coordinate_to_bits(new, coordinate_bits(buckets))
+        self.group_bits = rotated_bits(self.group_bits, chunk)
+
+    def _spawn(self, work: Awaitable[Any]) -> asyncio.Task[Any]:
         task = asyncio.ensure_future(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         task.add_done_callback(_log_failure)
+        return task
 
     def _wake(self) -> None:
         self._wakeup.set()
@@ -228,6 +299,12 @@ class MatchmakingDriver:
         for action in actions:
             if isinstance(action, AskLeader):
                 assert self._matchmaker is not None
+                logger.debug(
+                    "%s: asking %s to lead us (%d peers in view)",
+                    self.prefix,
+                    action.declaration.peer_id.short(),
+                    len(self._matchmaker.view),
+                )
                 self._spawn(self._join(self._matchmaker, action.declaration))
             elif isinstance(action, Release):
                 message = encode_release(action.suggested)
@@ -235,7 +312,12 @@ class MatchmakingDriver:
                     outcome = self._outcomes.get(follower)
                     if outcome is not None and not outcome.done():
                         outcome.set_result(message)
+            elif isinstance(action, Invite):
+                self._spawn(self._invite(action))
+            elif isinstance(action, Pool):
+                self._to_pool(action)
             elif isinstance(action, Begin):
+                logger.debug("%s: leading a group of %d", self.prefix, len(action.members))
                 self._group = self._assemble(action)
                 message = encode_begin(self._group)
                 for member in action.members[1:]:
@@ -266,57 +348,112 @@ class MatchmakingDriver:
     async def _declare(
         self, matchmaker: Matchmaker, declaration: Declaration, declared: asyncio.Event
     ) -> None:
-        """Keep this peer's declaration in the DHT while it may lead (hivemind re-declares too)."""
-        period = max(self.settings.min_matchmaking_time, 2 * self.settings.request_timeout)
-        while matchmaker.phase in (Phase.LOOKING, Phase.LEADING):
+        """Keep this peer's declaration in the DHT while it looks (hivemind re-declares too).
+
+        Each store lives ``period`` (at least min_matchmaking_time) and is renewed well before
+        it expires: at least two store latencies before (seen at 128 in-process peers: stores of
+        2 s, and renewals that landed after the expiry, so polls saw an empty key). Short-lived
+        declarations matter: a peer that crashed keeps its place in everyone's ranked list (and
+        in a chunk) until its declaration expires.
+        """
+        loop = asyncio.get_running_loop()
+        key, subkey = self._declared_key, self.peer.peer_id.to_bytes()
+        base = max(self.settings.min_matchmaking_time, 2 * self.settings.request_timeout)
+        latency = 0.0
+        while matchmaker.phase not in FINAL_PHASES:
+            period = max(base, 4 * latency)
             until = min(get_dht_time() + period, matchmaker.deadline)
-            key, subkey = self.group_key, self.peer.peer_id.to_bytes()
+            began = loop.time()
             try:
                 await self.node.store(key, declaration.to_value(), until, subkey=subkey)
                 self._declared_until = max(self._declared_until, until)
             except KitError as e:
                 logger.info("%s: declaring in the DHT failed: %s", self.prefix, e)
+            latency = loop.time() - began
+            if not declared.is_set():  # the others' stores take about as long as ours
+                matchmaker.settle_time = min(latency, self.settings.request_timeout) / 2
             declared.set()
-            await asyncio.sleep(period / 2)
+            renew_in = until - get_dht_time() - max(period / 2, 2 * latency)
+            await asyncio.sleep(max(renew_in, self.settings.request_timeout / 4))
 
     def withdraw_after_round(self) -> None:
         """The round of the last group found is over: withdraw its declaration if still live."""
         declared_until, self._pending_withdrawal = self._pending_withdrawal, 0.0
         if declared_until > get_dht_time():
-            self._spawn_owned(self._withdraw(declared_until))
+            self._spawn_owned(self._withdraw(self._declared_key, declared_until))
 
-    async def _withdraw(self, declared_until: float) -> None:
+    async def _withdraw(self, key: str, declared_until: float) -> None:
         """Replace the declaration by a tombstone, so nobody asks a peer that stopped looking."""
         if declared_until <= get_dht_time():
             return
         subkey = self.peer.peer_id.to_bytes()
         try:
-            await self.node.store(self.group_key, None, declared_until + 1e-3, subkey=subkey)
+            await self.node.store(key, None, declared_until + 1e-3, subkey=subkey)
         except KitError as e:
             logger.debug("%s: withdrawing from the DHT failed: %s", self.prefix, e)
 
     async def _poll(self, matchmaker: Matchmaker, declared: asyncio.Event) -> None:
-        first = asyncio.ensure_future(declared.wait())
-        try:
-            await asyncio.wait({first}, timeout=self.settings.request_timeout)
+        first = asyncio.ensure_future(declared.wait())  # then every peer that declared
+        try:  # before us has (most likely) declared too
+            await asyncio.wait({first}, timeout=max(0.0, matchmaker.deadline - get_dht_time()))
         finally:
             first.cancel()
+        loop, latency = asyncio.get_running_loop(), 0.0
         for attempt in itertools.count():
-            await asyncio.sleep(POLL_DELAYS[min(attempt, len(POLL_DELAYS) - 1)])
+            # As long as the last poll took, at least: a peer spends at most half its time
+            # polling, and when hundreds of peers share a CPU (in-process swarms, tests) their
+            # polls slow down together instead of starving everything else of the loop.
+            delay = max(POLL_DELAYS[min(attempt, len(POLL_DELAYS) - 1)], latency)
+            if matchmaker.first_view < math.inf:  # decided: polls only watch for corrections
+                delay = max(delay, self.settings.request_timeout / 2)
+            await asyncio.sleep(delay)
             if matchmaker.phase in FINAL_PHASES:
                 return
             if matchmaker.phase not in (Phase.LOOKING, Phase.LEADING):
                 continue
             try:
+                # A slow poll is still worth its answer (the search's own end cancels it).
+                patience = max(self.settings.request_timeout, matchmaker.deadline - get_dht_time())
+                began = loop.time()
                 found = await asyncio.wait_for(
-                    self.node.get(self.group_key, latest=True), self.settings.request_timeout
+                    self.node.get(self._declared_key, latest=True, replicas=POLL_REPLICAS),
+                    patience,
                 )
+                latency = loop.time() - began
             except (KitError, asyncio.TimeoutError) as e:
                 logger.debug("%s: reading the group key failed: %r", self.prefix, e)
                 continue
             now = get_dht_time()
             declarations = Declaration.parse_entries(found.value if found else None, now)
-            self._execute(matchmaker.observe(now, declarations))
+            me = self.peer.peer_id
+            confirms = any(d.peer_id == me for d in declarations)  # else: lagging replicas
+            self._execute(matchmaker.observe(now, declarations, confirms=confirms))
+
+    # --- invitations -------------------------------------------------------------------------
+
+    async def _invite(self, invite: Invite) -> None:
+        matchmaker = self._matchmaker
+        if matchmaker is None:
+            return
+        peer_id = invite.peer.peer_id
+        for address in invite.peer.addresses:
+            self.peer.add_address(peer_id, address)
+        request = encode_invite(
+            self.prefix, self._declared_key, matchmaker.declaration, invite.gone
+        )
+        try:
+            await self.peer.call(
+                peer_id, INVITE_PROTOCOL, request, timeout=self.settings.request_timeout
+            )
+        except (PeerError, KitTimeout) as e:
+            logger.debug("%s: inviting %s failed: %s", self.prefix, peer_id.short(), e)
+
+    def invited(self, group_key: str, inviter: Declaration, gone: list[PeerID]) -> None:
+        """A leader of our chunk says these peers ahead of us are gone."""
+        matchmaker = self._matchmaker
+        if matchmaker is None or group_key != self._declared_key:
+            return
+        self._execute(matchmaker.invited_by(get_dht_time(), inviter, gone))
 
     # --- join streams ------------------------------------------------------------------------
 
@@ -329,7 +466,9 @@ class MatchmakingDriver:
         assembled = False
         try:
             stream = await self.peer.open_stream(leader_id, JOIN_PROTOCOL, timeout=timeout)
-            request = encode_join_request(self.prefix, self.group_key, self.schema, matchmaker.me)
+            request = encode_join_request(
+                self.prefix, self._declared_key, self.schema, matchmaker.me
+            )
             await stream.send_message(request, timeout=timeout)
             code, refusal, _ = await self._leader_message(stream, timeout)
             if code != "accepted":
@@ -352,9 +491,8 @@ class MatchmakingDriver:
                 assembled = True
                 self._wake()
                 return
-            self._execute(matchmaker.leader_lost(get_dht_time(), leader_id))
-            if refusal is not None and refusal.suggested is not None:
-                self._execute(matchmaker.observe(get_dht_time(), [refusal.suggested]))
+            suggested = refusal.suggested if refusal is not None else None
+            self._execute(matchmaker.leader_lost(get_dht_time(), leader_id, suggested))
         except (PeerError, KitTimeout) as e:
             logger.debug("%s: leader %s lost: %s", self.prefix, leader_id.short(), e)
             self._execute(matchmaker.leader_lost(get_dht_time(), leader_id))
@@ -381,7 +519,7 @@ class MatchmakingDriver:
         actions: list[Action] = []
         if matchmaker is not None and schema != self.schema:
             refusal = Refusal("bad_schema")
-        elif matchmaker is not None and group_key != self.group_key:
+        elif matchmaker is not None and group_key != self._declared_key:
             refusal = Refusal("bad_group_key")
         elif matchmaker is not None:
             refusal, actions = matchmaker.join_request(get_dht_time(), member)

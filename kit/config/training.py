@@ -160,9 +160,9 @@ class CollaborationConfig:
     run_id: str = "sahajbert"  # peers of another run_id are refused; also the DHT key prefix
     target_batch_size: int = 4_096  # samples per global step over all peers; fixed for the whole run
     batch_size_per_step: int = 8  # this peer's samples per local step(); lower it if GPU memory runs out
-    target_group_size: int | None = 256  # largest averaging group; more peers split into groups; null = no limit
-    matchmaking_time: float = 15.0  # seconds to gather a group; raise it if you see groups of 1 peer
-    averaging_timeout: float = 120.0  # one averaging round's limit; raise it if rounds time out on slow links
+    target_group_size: int | None = 256  # largest averaging group; more peers average on a Moshpit grid; null = one group
+    matchmaking_time: float | str = "auto"  # seconds to gather a group; "auto": from swarm size and past rounds
+    averaging_timeout: float | str = "auto"  # one averaging round's limit; "auto": from past rounds; raise it if rounds time out
     load_state_timeout: float = 600.0  # limit of a state download from peers; raise it on a slow link
     average_state_every: int = 1  # average parameters every N global steps (0 = never); fixes drift
     grad_compression: str = "fp16"  # codec of averaged gradients; "uniform8bit" for slow uplinks
@@ -207,10 +207,15 @@ class CollaborationConfig:
                 hint="use 2 or more, or null for no limit",
             )
         for name in ("matchmaking_time", "averaging_timeout", "load_state_timeout"):
+            value = getattr(self, name)
+            if value == "auto" and name != "load_state_timeout":
+                continue
+            hint = 'write a number of seconds, or "auto"' if name != "load_state_timeout" else ""
             store_normalized(
-                self, name, check_number(f"{where}.{name}", getattr(self, name), above=0)
+                self, name, check_number(f"{where}.{name}", value, above=0, hint=hint)
             )
-        if self.matchmaking_time >= self.averaging_timeout:
+        matchmaking, timeout = self.matchmaking_time, self.averaging_timeout
+        if isinstance(matchmaking, float) and isinstance(timeout, float) and matchmaking >= timeout:
             raise config_error(
                 f"{where}.averaging_timeout",
                 f"({self.averaging_timeout}) must exceed matchmaking_time ({self.matchmaking_time})",

@@ -6,6 +6,7 @@ to change the others.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 
@@ -20,8 +21,15 @@ RESPONSE_VALUE_BUDGET = 3 * 1024 * 1024
 
 
 def get_dht_time() -> float:
-    """The DHT's clock: absolute wall-clock seconds (``time.time()``), as in hivemind."""
-    return time.time()
+    """The DHT's clock: absolute wall-clock seconds (``time.time()``), as in hivemind.
+
+    An event loop on virtual time (``kit.testing.virtual_time``) supplies its own through a
+    ``dht_time()`` method: the wall clock when it started plus the virtual seconds since, so
+    record expirations advance with the simulated links rather than with the CPU.
+    """
+    loop = asyncio._get_running_loop()
+    clock = getattr(loop, "dht_time", None) if loop is not None else None
+    return clock() if clock is not None else time.time()
 
 
 @dataclasses.dataclass(frozen=True)

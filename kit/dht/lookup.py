@@ -112,6 +112,28 @@ class Lookup:
         return found
 
 
+class CheckedRecords:
+    """Records (exact bytes, expiration included) that passed :func:`check_record` lately.
+
+    A record valid once stays valid (its signature covers those bytes; an expiration not too
+    far ahead then is not later), so a node polling one key (matchmaking: hundreds of subkeys,
+    several polls a second) checks each record once, not at every poll. Bounded: forgets all
+    at ``capacity``."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._records: set[DHTRecord] = set()
+
+    def __contains__(self, record: DHTRecord) -> bool:
+        return record in self._records
+
+    def add(self, record: DHTRecord) -> None:
+        if len(self._records) >= self.capacity:
+            self._records.clear()
+        if self.capacity:
+            self._records.add(record)
+
+
 class ValueSearch:
     """The value of one key as gathered from replicas: validated, then merged by expiration.
 
@@ -134,6 +156,7 @@ class ValueSearch:
         *,
         max_subkeys: int,
         max_dictionary_bytes: int,
+        checked: CheckedRecords | None = None,
     ) -> None:
         self.key = key
         self.key_id = DHTID.from_key_bytes(key)
@@ -142,6 +165,7 @@ class ValueSearch:
         self._validator = validator
         self._limits = limits
         self._merged = DHTStorage(1, max_subkeys, max_dictionary_bytes)
+        self._checked = checked if checked is not None else CheckedRecords(0)
 
     def add_entry(self, entry: StoredEntry, now: float) -> None:
         """Merge a local entry (its records were validated when stored)."""
@@ -155,12 +179,28 @@ class ValueSearch:
         else:
             assert found.value is not None
             records = [DHTRecord(self.key, None, found.value, found.expiration_time)]
+        merged = self._merged.get(self.key_id, now)
+        held = merged.value if merged is not None else None
         for record in records:
-            try:
-                check_record(record, self._validator, self._limits, now)
-            except InvalidRecord as e:
-                logger.debug("dropped a record from %r: %s", holder, e)
+            same = (
+                held.get(record.subkey, now)
+                if isinstance(held, DictionaryDHTValue) and record.subkey is not None
+                else None
+            )
+            if (
+                same is not None
+                and same.value == record.value
+                and same.expiration_time == record.expiration_time
+            ):  # another replica's copy of a record already checked: skip the signature work
+                self.holders.add(holder)
                 continue
+            if record not in self._checked:
+                try:
+                    check_record(record, self._validator, self._limits, now)
+                except InvalidRecord as e:
+                    logger.debug("dropped a record from %r: %s", holder, e)
+                    continue
+                self._checked.add(record)
             if store_record(self._merged, self.key_id, record, now) is StoreStatus.STORED:
                 self.holders.add(holder)
 

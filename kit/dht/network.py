@@ -95,14 +95,21 @@ class DHTNetwork:
     # --- requests and lookups ---------------------------------------------------------------
 
     async def lookup(
-        self, target: DHTID, beam: int, search: ValueSearch | None, deadline: float
+        self,
+        target: DHTID,
+        beam: int,
+        search: ValueSearch | None,
+        deadline: float,
+        seeds: Iterable[Contact] = (),
     ) -> Lookup:
         """One iterative lookup (Kademlia §2.3) with ``parallel_rpc`` requests in flight; a
-        ``search`` gathers the values found on the way (gets), ``None`` only finds nodes."""
+        ``search`` gathers the values found on the way (gets), ``None`` only finds nodes.
+        ``seeds``: contacts to start from besides the routing table's nearest."""
         lookup = Lookup(target, beam, exclude={self.node_id})
         lookup.add(
             self.usable(contact for _, contact in self.routing_table.nearest(target, beam * 2))
         )
+        lookup.add(self.usable(seeds))
         pending: dict[asyncio.Task[FindResult | None], DHTID] = {}
         loop = asyncio.get_running_loop()
         try:
@@ -133,6 +140,8 @@ class DHTNetwork:
             if pending:  # cancelled requests reset their streams; give them a moment
                 await asyncio.wait(pending, timeout=self.config.rpc_timeout)
         self.routing_table.mark_lookup(target, self._clock())
+        if not lookup.finished and (search is None or not search.done(get_dht_time())):
+            logger.debug("a lookup ended unfinished (its deadline passed)")
         return lookup
 
     def usable(self, contacts: Iterable[Contact]) -> list[tuple[DHTID, Contact]]:

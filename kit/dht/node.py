@@ -41,8 +41,10 @@ from kit.dht.config import (
     get_dht_time,
 )
 from kit.dht.lookup import (
+    CheckedRecords,
     Lookup,
     ValueSearch,
+    batches,
     entry_records,
     store_record,
 )
@@ -87,6 +89,10 @@ from kit.p2p.identity import PeerID
 
 logger = logging.getLogger(__name__)
 
+REPLICAS_REUSE = 10.0  # seconds a get(replicas=...) reuses the nearest nodes it looked up
+MAX_REUSED_REPLICA_SETS = 64  # keys whose nearest nodes are kept for that
+CHECKED_RECORDS = 8192  # records found valid by gets, remembered (see CheckedRecords)
+
 
 class DHTNode:
     """One Kademlia node on a running peer. Create it with :meth:`create`.
@@ -120,12 +126,16 @@ class DHTNode:
         self._incarnation = random.getrandbits(62)
         self._own_records: dict[tuple[bytes, bytes | None], DHTRecord] = {}
         self._initial_peers: tuple[str, ...] = ()
+        self._initial_contacts: dict[PeerID, Contact] = {}  # those that answered a join
         self._initial_ids: dict[
             str, DHTID
         ] = {}  # initial peer address -> its node id, once reached
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loops: list[asyncio.Task[Any]] = []
         self._rng = random.Random()
+        # key -> (until, its nearest nodes): polls of one key (matchmaking) skip the lookup
+        self._replicas: dict[DHTID, tuple[float, list[tuple[DHTID, Contact]]]] = {}
+        self._checked = CheckedRecords(CHECKED_RECORDS)  # records found valid by gets
         self._running = False
         self.network = DHTNetwork(
             peer,
@@ -254,10 +264,42 @@ class DHTNode:
             )
         deadline = self._clock() + self.config.bootstrap_timeout
         await self.network.lookup(self.node_id, self.config.bucket_size, None, deadline)
+        await self._fill_empty_buckets(deadline)
         logger.info(
             "DHT node %s joined: %d contacts", self.peer_id.short(), len(self.routing_table)
         )
         return answered
+
+    async def _fill_empty_buckets(self, deadline: float) -> None:
+        """Kademlia §2.3's last join step ("u refreshes all k-buckets further away than its
+        closest neighbor"), for the buckets the lookup of our own id left empty."""
+        empty = [b for b in self.routing_table.buckets if not b.nodes]
+        targets = [b.random_id(self._rng) for b in empty if not b.covers(self.node_id)]
+        await asyncio.gather(
+            *(self._lookup(t, self.config.beam_size, None, deadline) for t in targets)
+        )
+
+    async def _lookup(
+        self, key_id: DHTID, beam: int, search: ValueSearch | None, deadline: float
+    ) -> Lookup:
+        """A lookup that starts from what the initial peers know when we know nobody near the
+        target (its bucket is empty).
+
+        A node that joined through one initial peer learns its own half of the id space (the
+        initial peer answers with the nodes nearest the newcomer), and nodes that joined
+        before the other half filled never hear of it: after 256 nodes joined one by one, 105
+        knew nobody in the other half. Their lookups of a key there converged on the nodes of
+        their own half nearest to it, so the nodes that stored a matchmaking key and those
+        that polled it split into two swarms that never saw each other (1 run in 8 of 256
+        peers). The initial peers (every newcomer contacted them) know both halves."""
+        seeds: list[Contact] = []
+        entries = list(self._initial_contacts.values())
+        if entries and not self.routing_table.bucket_for(key_id).nodes:
+            answers = await asyncio.gather(
+                *(self.network.find(contact, key_id, False) for contact in entries)
+            )
+            seeds = [c for answer in answers if answer is not None for c in answer.nearest]
+        return await self.network.lookup(key_id, beam, search, deadline, seeds)
 
     async def _join(self, address: str, *, quiet: bool = False) -> bool:
         timeout = self.config.rpc_timeout
@@ -275,6 +317,7 @@ class DHTNode:
         if failures:
             log("initial peer %s did not answer: %s", address, failures[0])
             raise failures[0]
+        self._initial_contacts[peer_id] = contact
         return True
 
     # --- store and get ----------------------------------------------------------------------
@@ -307,12 +350,19 @@ class DHTNode:
             self._own_records[(key_bytes, subkey_bytes)] = record
         return await self._publish(record)
 
-    async def get(self, key: Any, latest: bool = False) -> ValueWithExpiration[Any] | None:
+    async def get(
+        self, key: Any, latest: bool = False, *, replicas: int | None = None
+    ) -> ValueWithExpiration[Any] | None:
         """The value stored under ``key``, or None.
 
         Args:
             latest: False returns the first non-expired value found (fast); True asks every
                 replica on the way and returns the newest (subkeys merged).
+            replicas: with ``latest``, read the value from only this many of the
+                ``num_replicas`` nodes nearest to the key, chosen at random (their subkeys
+                merged). For a key with hundreds of subkeys that hundreds of peers poll (a
+                matchmaking key): every replica's copy per read otherwise, and the readers
+                spread over the replicas instead of all asking the nearest ones.
 
         Returns:
             ``ValueWithExpiration(value, expiration_time)``; for keys with subkeys the value
@@ -329,19 +379,46 @@ class DHTNode:
             self.config.limits,
             max_subkeys=self.config.max_subkeys,
             max_dictionary_bytes=self.config.max_dictionary_bytes,
+            checked=self._checked,
         )
         for source in (self.storage, self.cache):
             entry = source.get(key_id, now)
             if entry is not None:
                 search.add_entry(entry, now)
-        if not search.done(now):
+        if latest and replicas is not None:
+            await self._read_replicas(key_id, search, replicas)
+        elif not search.done(now):
             deadline = self._clock() + self.config.lookup_timeout
-            lookup = await self.network.lookup(key_id, self.config.beam_size, search, deadline)
+            lookup = await self._lookup(key_id, self.config.beam_size, search, deadline)
             now = get_dht_time()
             entry = search.entry(now)
             if entry is not None:
                 self._cache_found(entry, lookup, search, now)
         return search.result(get_dht_time())
+
+    async def _read_replicas(self, key_id: DHTID, search: ValueSearch, count: int) -> None:
+        """Read ``count`` random replicas of the key. Their set is looked up once per
+        REPLICAS_REUSE seconds: polls of one key (hundreds of matchmaking peers, each several
+        times a second) would otherwise spend most of their requests finding the same nodes."""
+        held = self._replicas.get(key_id)
+        if held is not None and held[0] > self._clock():
+            nearest = held[1]
+        else:
+            deadline = self._clock() + self.config.lookup_timeout
+            lookup = await self._lookup(key_id, self.config.beam_size, None, deadline)
+            nearest = lookup.nearest_responded(self.config.num_replicas)
+            if len(self._replicas) >= MAX_REUSED_REPLICA_SETS:
+                self._replicas.pop(next(iter(self._replicas)))  # the oldest
+            self._replicas[key_id] = (self._clock() + REPLICAS_REUSE, nearest)
+        chosen = self._rng.sample(nearest, min(count, len(nearest)))
+        found = await asyncio.gather(
+            *(self.network.find(contact, key_id, True) for _, contact in chosen)
+        )
+        for (node_id, _), result in zip(chosen, found, strict=True):
+            if result is None:  # a replica failed: look them up again next time
+                self._replicas.pop(key_id, None)
+            elif result.value is not None:
+                search.add_found(result.value, node_id, get_dht_time())
 
     async def get_many(
         self, keys: Iterable[Any], latest: bool = False
@@ -357,7 +434,7 @@ class DHTNode:
         key_id = DHTID.from_key_bytes(pack_key(key, self.config.limits))
         deadline = self._clock() + self.config.lookup_timeout
         beam = max(self.config.beam_size, k or 0)
-        lookup = await self.network.lookup(key_id, beam, None, deadline)
+        lookup = await self._lookup(key_id, beam, None, deadline)
         return [contact for _, contact in lookup.nearest_responded(k or self.config.num_replicas)]
 
     async def republish(self) -> int:
@@ -383,7 +460,7 @@ class DHTNode:
     async def _publish(self, record: DHTRecord) -> bool:
         key_id = DHTID.from_key_bytes(record.key)
         deadline = self._clock() + self.config.lookup_timeout
-        lookup = await self.network.lookup(key_id, self.config.beam_size, None, deadline)
+        lookup = await self._lookup(key_id, self.config.beam_size, None, deadline)
         replicas = self.config.num_replicas
         targets = lookup.nearest_responded(replicas)
         here = not self.client_mode and (
@@ -422,7 +499,8 @@ class DHTNode:
             if node_id not in search.holders
         ]
         for contact in lacking[: self.config.cache_nearest]:
-            self._spawn(self.network.store_at(contact, records, in_cache=True))
+            for batch in batches(records):  # a dictionary may hold more than one request may
+                self._spawn(self.network.store_at(contact, batch, in_cache=True))
 
     # --- background work --------------------------------------------------------------------
 
@@ -514,5 +592,7 @@ class DHTNode:
 
     @staticmethod
     def _clock() -> float:
-        """Monotonic seconds for routing and bans (the one clock read of the driver)."""
-        return time.monotonic()
+        """Monotonic seconds for routing and bans (the one clock read of the driver): the loop's
+        time, so that a loop on virtual time moves them too."""
+        loop = asyncio._get_running_loop()
+        return loop.time() if loop is not None else time.monotonic()

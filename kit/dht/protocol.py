@@ -68,8 +68,11 @@ def _list(obj: dict[str, Any], name: str, limit: int, where: str) -> list[Any]:
     return value  # type: ignore[no-any-return]
 
 
+_REAL_TYPES = (int, float)  # a tuple: ``int | float`` builds a new union at every call
+
+
 def _number(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if isinstance(value, bool) or not isinstance(value, _REAL_TYPES):
         raise _malformed(where, f"expected a number, got {type(value).__name__}")
     return float(value)
 

@@ -89,6 +89,10 @@ class DictionaryDHTValue:
         self.latest_expiration_time = float("-inf")
         self._items: dict[bytes, ValueWithExpiration[bytes]] = {}
         self._nbytes = 0
+        # No subkey expires before this (a lower bound): sweeps skip until it passes, so that
+        # merging an N-subkey dictionary costs O(N), not O(N^2) (a matchmaking key of 256 peers
+        # took 3 s per get before).
+        self._earliest_expiration = float("inf")
 
     def __len__(self) -> int:
         return len(self._items)
@@ -113,6 +117,7 @@ class DictionaryDHTValue:
             return StoreStatus.FULL
         self._items[subkey] = ValueWithExpiration(value, expiration_time)
         self._nbytes += len(subkey) + len(value) - held_bytes
+        self._earliest_expiration = min(self._earliest_expiration, expiration_time)
         self.latest_expiration_time = max(self.latest_expiration_time, expiration_time)
         return StoreStatus.STORED
 
@@ -125,9 +130,14 @@ class DictionaryDHTValue:
         return [(sub, item) for sub, item in self._items.items() if item.expiration_time >= now]
 
     def remove_expired(self, now: float) -> None:
+        if now <= self._earliest_expiration:
+            return
         for subkey in [sub for sub, item in self._items.items() if item.expiration_time < now]:
             item = self._items.pop(subkey)
             self._nbytes -= len(subkey) + len(item.value)
+        self._earliest_expiration = min(
+            (item.expiration_time for item in self._items.values()), default=float("inf")
+        )
 
 
 @dataclasses.dataclass

@@ -58,7 +58,8 @@ class EpochDriver:
             with; ``rounds`` is None with ``use_local_updates`` (no gradient averager).
         options: ``kit.Optimizer``'s ``use_local_updates``, ``auxiliary``,
             ``reuse_grad_buffers``, ``delay_grad_averaging``, ``delay_state_averaging``,
-            ``average_state_every``, ``matchmaking_time``, ``load_state_timeout``, ``verbose``.
+            ``average_state_every``, ``load_state_timeout``, ``verbose`` (``OPTIONS``), and
+            ``matchmaking_time`` (of parameter rounds without gradient rounds).
         clock: monotonic seconds, the machine's ``now`` (read here only).
     """
 
@@ -69,7 +70,6 @@ class EpochDriver:
         "delay_grad_averaging",
         "delay_state_averaging",
         "average_state_every",
-        "matchmaking_time",
         "load_state_timeout",
         "verbose",
     )
@@ -304,7 +304,7 @@ class EpochDriver:
             self.averaged.current(),
             group_bits(epoch),
             expected,
-            timeout=2 * self.matchmaking_time + 1.0,
+            timeout=self.rounds.search_time if self.rounds else 2 * self.matchmaking_time + 1.0,
         )
         if not self.delay_state_averaging:
             self.finish_state_round(wait=None)

@@ -52,6 +52,7 @@ import torch
 from kit.averaging.averager import DecentralizedAverager, RoundResult
 from kit.averaging.compression import CompressionBase, NoCompression
 from kit.averaging.control import StepControl
+from kit.averaging.deadlines import Deadlines
 from kit.errors import (
     ConfigError,
     KitUsageError,
@@ -91,9 +92,13 @@ class Optimizer(torch.optim.Optimizer):
         scheduler: a learning-rate scheduler or a factory of one; it steps once per epoch.
         matchmaking_time: seconds a peer waits for others to form an averaging group. 3-5 s on
             a LAN, 10-15 s on the Internet; increase it if you see "averaging failed" warnings
-            with few peers averaging.
+            with few peers averaging. ``"auto"``: derived from the swarm's size and the last
+            rounds (``kit.averaging.deadlines``).
         averaging_timeout: the longest an averaging round may take (about 2x a normal round);
-            increase it if rounds on slow links time out.
+            increase it if rounds on slow links time out. ``"auto"``: from the last rounds.
+        target_group_size: the largest averaging group. When more peers are expected at an
+            epoch, the gradient is averaged on a Moshpit grid of groups of this size (still the
+            exact global-batch gradient on a full grid: ``kit.optim.rounds``). None: one group.
         load_state_timeout: the longest a state download from peers may take.
         reuse_grad_buffers: accumulate in the parameters' ``.grad`` instead of a separate buffer
             (saves one copy of the model). Never call ``zero_grad`` then: kit clears ``.grad``
@@ -136,8 +141,9 @@ class Optimizer(torch.optim.Optimizer):
         optimizer: torch.optim.Optimizer | OptimizerFactory,
         params: Iterable[Any] | None = None,
         scheduler: Any = None,
-        matchmaking_time: float | None = 15.0,
-        averaging_timeout: float | None = 60.0,
+        matchmaking_time: float | str | None = 15.0,
+        averaging_timeout: float | str | None = 60.0,
+        target_group_size: int | None = None,
         allreduce_timeout: float | None = None,
         next_chunk_timeout: float | None = None,
         load_state_timeout: float = 600.0,
@@ -177,8 +183,9 @@ class Optimizer(torch.optim.Optimizer):
         self.average_state_every = average_state_every
         self.average_opt_statistics = tuple(average_opt_statistics)
         self.load_state_timeout = load_state_timeout
-        self.averaging_timeout = averaging_timeout or 60.0
-        self.matchmaking_time = matchmaking_time or 15.0
+        self.target_group_size = target_group_size
+        # Fixed, or "auto" (kit.averaging.deadlines): updated before every gradient round.
+        deadlines = Deadlines.create(matchmaking_time or 15.0, averaging_timeout or 60.0, 0)
         self.verbose = verbose
         # A late joiner needs the collaboration's state and progress: both are fetched while the
         # rest is set up (building the inner optimizer alone takes ~1.4 s on torch 2.x: its first
@@ -212,6 +219,9 @@ class Optimizer(torch.optim.Optimizer):
             self._inner = InnerOptimizer(optimizer, params, copies=offload, delay=delay_step)
             self.opt = self._inner.opt
             self._params = self._inner.params
+            deadlines.vector_bytes = 4 * sum(p.numel() for p in self._params)
+            self._matchmaking_time = deadlines.matchmaking_time(2)  # until the first round
+            self._averaging_timeout = deadlines.averaging_timeout(2)
             self._extra = list(extra_tensors)
             if self.average_opt_statistics:
                 initialize_statistics(self.opt, self.average_opt_statistics)  # before the scheduler
@@ -232,9 +242,9 @@ class Optimizer(torch.optim.Optimizer):
             )
             state_buffers = [torch.zeros(t.shape, dtype=torch.float32) for t in averaged.current()]
             averaging: dict[str, Any] = {
-                "min_matchmaking_time": self.matchmaking_time,
-                "request_timeout": min(3.0, self.matchmaking_time),
-                "allreduce_timeout": allreduce_timeout or self.averaging_timeout,
+                "min_matchmaking_time": self._matchmaking_time,
+                "request_timeout": min(3.0, self._matchmaking_time),
+                "allreduce_timeout": allreduce_timeout or self._averaging_timeout,
                 "next_chunk_timeout": next_chunk_timeout,
                 "client_mode": client,
                 "auxiliary": auxiliary,
@@ -263,8 +273,9 @@ class Optimizer(torch.optim.Optimizer):
                 rounds = GradientRounds(
                     grads,
                     self.tracker,
-                    matchmaking_time=self.matchmaking_time,
-                    averaging_timeout=self.averaging_timeout,
+                    deadlines=deadlines,
+                    target_group_size=target_group_size,
+                    me=dht.peer_id,
                     exact_gradients=exact,
                 )
             self.state_averager = DecentralizedAverager(
@@ -298,7 +309,10 @@ class Optimizer(torch.optim.Optimizer):
                 state_round=DelayedStateAveraging(self.state_averager, averaged.add),
                 averaged=averaged,
                 runtime=get_runtime(),
-                options={name: getattr(self, name) for name in EpochDriver.OPTIONS},
+                options={
+                    **{name: getattr(self, name) for name in EpochDriver.OPTIONS},
+                    "matchmaking_time": self._matchmaking_time,  # (local updates: no rounds)
+                },
             )
             self._driver.publish_state()
         except BaseException:  # undo what was started (a bad optimizer factory, bad options)
@@ -307,8 +321,7 @@ class Optimizer(torch.optim.Optimizer):
             self._stop_tracker()
             raise
 
-    # The inner optimizer's groups and state, always its current objects (its load_state_dict
-    # replaces them, so they are never copied here).
+    # The inner optimizer's current groups and state (its load_state_dict replaces them).
     @property  # type: ignore[override]
     def param_groups(self) -> list[dict[str, Any]]:
         return self.opt.param_groups
@@ -324,8 +337,6 @@ class Optimizer(torch.optim.Optimizer):
     @state.setter
     def state(self, value: Any) -> None:
         self.opt.state = value
-
-    # --- hivemind's API -----------------------------------------------------------------
 
     @property
     def local_epoch(self) -> int:
@@ -343,8 +354,7 @@ class Optimizer(torch.optim.Optimizer):
 
     @property
     def exact_steps(self) -> bool:
-        """False when this peer's inner optimizer computes differently from the others' (8-bit
-        statistics chosen by its memory plan): every round then marks it drifted."""
+        """False if its steps differ from the others' (8-bit statistics): rounds mark it drifted."""
         return self._driver.exact_steps
 
     @exact_steps.setter
@@ -359,6 +369,18 @@ class Optimizer(torch.optim.Optimizer):
     @scheduler.setter
     def scheduler(self, scheduler: Any) -> None:
         self._driver.sharing.scheduler = scheduler
+
+    @property
+    def matchmaking_time(self) -> float:
+        """Seconds a peer waits for its group (with "auto": as set for the last round)."""
+        rounds = self._driver.rounds
+        return rounds.matchmaking_time if rounds is not None else self._matchmaking_time
+
+    @property
+    def averaging_timeout(self) -> float:
+        """The longest a round may take (with "auto": as set for the last round)."""
+        rounds = self._driver.rounds
+        return rounds.averaging_timeout if rounds is not None else self._averaging_timeout
 
     @property
     def global_progress(self) -> GlobalProgress:
@@ -457,8 +479,7 @@ class Optimizer(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         epoch = int(state_dict.pop("kit_local_epoch", self.local_epoch))
         self.opt.load_state_dict(state_dict)
-        # a checkpoint need not match the collaboration
-        self._driver.act(self._driver.life.checkpoint_loaded(epoch))
+        self._driver.act(self._driver.life.checkpoint_loaded(epoch))  # it may not match theirs
 
     def shutdown(self) -> None:
         try:

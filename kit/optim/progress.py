@@ -355,6 +355,11 @@ class ProgressTracker:
 
         return sum(1 for r in self._others if counts(r)) + (1 if counts(self.local) else 0)
 
+    def samples_at_epoch(self, epoch: int) -> int:
+        """Samples the peers at ``epoch`` reported (this one included): the global batch."""
+        records = [self.local, *self._others]
+        return sum(r.samples_accumulated for r in records if r.epoch == epoch)
+
     def others_at_epoch(self, epoch: int) -> int:
         """Other training peers (not auxiliary) whose last record is at ``epoch``."""
         return sum(1 for r in self._others if r.epoch == epoch and not r.auxiliary)

@@ -1,11 +1,25 @@
-"""One averaging round of ``kit.Optimizer``, tagged with its epoch, and what its result means.
+"""The gradient average of ``kit.Optimizer``, tagged with its epoch, and what its result means.
 
-Holds :class:`GradientRounds` (the gradient averager's driver: the mean gradient in, a round,
-the average out to the inner optimizer, round listeners), :func:`average_at_epoch` (blocking:
-form a group with the peers at the same epoch and all-reduce; safe to call from the optimizer's
-background thread with ``delay_grad_averaging``), :class:`RoundOutcome` (judged for the epoch
-machine, ``kit.optim.epochs``) and :func:`group_bits`. It does not hold the averager
-(``kit.averaging``) nor decides when a round is due (``kit.optim.epochs``).
+Holds :class:`GradientRounds` (the gradient averager's driver: the mean gradient in, a round
+of one group or a Moshpit grid, "auto" deadlines, the average out to the inner optimizer, round
+listeners), :func:`average_at_epoch` (blocking: form a group with the peers at the same epoch and
+all-reduce; safe to call from the optimizer's background thread with ``delay_grad_averaging``),
+:func:`average_on_grid` (the same over a Moshpit grid, when more peers are expected than
+``target_group_size``), :class:`RoundOutcome` (judged for the epoch machine, ``kit.optim.epochs``)
+and :func:`group_bits`. It does not hold the averager (``kit.averaging``) nor decides when a
+round is due (``kit.optim.epochs``).
+
+A global step keeps DeDLOC's meaning with Moshpit: the sample-weighted mean of the gradients of
+every peer of the epoch. Each peer averages with the weight of what its value stands for (its
+samples, then its group's total, ...; ``kit.averaging.grid``), so its gradient is at every
+moment the exact sample-weighted mean over a set of distinct peers, and the weight says how many
+samples that set holds. On a full grid (every round's groups full: N = G^d peers) d rounds cover
+all of them: the exact global-batch gradient, as with one group. When the grid is incomplete, a
+round fails for a peer (no group, or aborted: it keeps its value and weight and goes on), or a
+peer crashes mid-way, a peer may end with a weight below the epoch's total: it then steps with
+the exact mean of that part of the global batch, flags itself drifted (so parameters are
+averaged and, after a failed round, an exact state fetched: ``kit.optim.epochs``), and logs
+the share it covered. The error this leaves is measured by ``benchmarks/swarm.py``.
 """
 
 from __future__ import annotations
@@ -18,11 +32,15 @@ from collections.abc import Callable
 
 from kit.averaging.averager import DecentralizedAverager, RoundResult
 from kit.averaging.control import StepControl
+from kit.averaging.deadlines import Deadlines
+from kit.averaging.grid import GridAverage, begin_after_pool, pool_delay, rounds_for
+from kit.dht.node import get_dht_time
 from kit.errors import AveragingFailed, KitError, KitTimeout, TransientError
 from kit.optim.accumulation import GradientAccumulator
 from kit.optim.epoch_actions import Judgement
 from kit.optim.progress import ProgressTracker
 from kit.optim.stepping import InnerOptimizer
+from kit.p2p.identity import PeerID
 
 logger = logging.getLogger(__name__)
 
@@ -44,35 +62,66 @@ class RoundOutcome:
     """
 
     epoch: int
-    result: RoundResult | None
+    result: RoundResult | None  # of the (last) round
     expected: int
     exact: bool
+    grid: GridAverage | None = None  # Moshpit: the rounds this peer went through
+    total_weight: float = 0.0  # Moshpit: the samples of the epoch, as the tracker saw them
 
     @property
     def group_size(self) -> int:
+        if self.grid is not None:  # the swarm averaged over, for the next epoch's expectation
+            return self.expected if self.result is not None else 0
         return len(self.result) if self.result is not None else 0
+
+    @property
+    def averaged(self) -> bool:
+        """Our gradient was averaged with someone's (in at least one round)."""
+        return self.grid.completed > 0 if self.grid is not None else self.result is not None
+
+    @property
+    def covered(self) -> float:
+        """Moshpit: the share of the epoch's samples our gradient is the exact mean of."""
+        if self.grid is None or self.total_weight <= 0:
+            return 1.0 if self.identical else 0.0
+        return min(1.0, self.grid.weight / self.total_weight)
 
     @property
     def identical(self) -> bool:
         """Every peer we expected got the same, exact average: nobody drifted apart."""
-        result = self.result
+        result, grid = self.result, self.grid
+        if grid is not None:
+            complete = grid.completed == grid.rounds and grid.weight >= self.total_weight - 0.5
+            return grid.exact and self.exact and complete
         return result is not None and result.is_full and self.exact and len(result) >= self.expected
 
     @property
     def failed_or_partial(self) -> bool:
         """Our gradient (or part of it) stayed local: it differs from everyone else's."""
+        if self.grid is not None:
+            return self.grid.completed < self.grid.rounds or not self.grid.exact
         return self.result is None or not self.result.is_full
 
     def judgement(self) -> Judgement:
         """What the round means for the epoch machine (``kit.optim.epochs``)."""
         return Judgement(
-            averaged=self.result is not None,
+            averaged=self.averaged,
             identical=self.identical,
             failed_or_partial=self.failed_or_partial,
             group_size=self.group_size,
         )
 
     def log(self) -> None:
+        if self.grid is not None and not self.identical:
+            logger.warning(
+                "averaging at epoch %d: %d of %d grid rounds went through, covering %.1f%% of "
+                "the samples (the gradient is their exact mean)",
+                self.epoch,
+                self.grid.completed,
+                self.grid.rounds,
+                100 * self.covered,
+            )
+            return
         if self.result is None:
             logger.warning(
                 "averaging failed at epoch %d: proceeding with the local gradients", self.epoch
@@ -101,17 +150,91 @@ def average_at_epoch(
     the others already finished ``epoch``'s round without us.
     """
     averager.set_group_bits(group_bits(epoch))
-    # Everyone the tracker sees at our epoch (auxiliary peers included): begin when they are in.
+    expected = expected_peers(tracker, epoch, last_group_size)
+    averager.set_target_group_size(expected if expected >= 2 else None)
+    result = _blocking_step(averager, tracker, epoch, weight, matchmaking_time, averaging_timeout)
+    return result, expected
+
+
+def expected_peers(tracker: ProgressTracker, epoch: int, last_group_size: int) -> int:
+    """Everyone the tracker sees at ``epoch`` (auxiliary peers included)."""
     expected = tracker.peers_at_epoch(epoch, with_samples=True)
     if expected < 2:
         # Only we reported samples: the others' reports have not reached us yet (the peers of
         # our last round are surely coming: their records may still show the previous epoch),
         # or nobody else is there at all.
         expected = max(tracker.peers_at_epoch(epoch), last_group_size)
-    averager.set_target_group_size(expected if expected >= 2 else None)
+    return expected
+
+
+def average_on_grid(
+    averager: DecentralizedAverager,
+    tracker: ProgressTracker,
+    epoch: int,
+    weight: float,
+    *,
+    me: PeerID,
+    expected: int,
+    group_size: int,
+    matchmaking_time: float,
+    averaging_timeout: float,
+    on_round: Callable[[int, RoundResult], None] | None = None,
+) -> tuple[RoundResult | None, GridAverage]:
+    """Moshpit: ceil(log_G(expected)) rounds of groups of ``group_size`` (see the module).
+
+    ``on_round(index, result)`` is called after each round that formed a group.
+
+    Returns the last round's result (None: it failed) and the grid bookkeeping (how many rounds
+    went through, the weight of the final gradient).
+    """
+    grid = GridAverage(group_bits(epoch), group_size, rounds_for(expected, group_size), weight)
+    result: RoundResult | None = None
+    after_pool = 0.0  # a sharded round's pool groups end this much later than its shards'
+    settings = averager.settings
+    try:
+        for index in range(grid.rounds):
+            averager.set_group_bits(grid.bits)
+            averager.set_target_group_size(grid.next_target(expected))
+            shards = grid.next_shards(expected)
+            averager.set_shards(shards)
+            scheduled = begin_after_pool(after_pool, get_dht_time(), None)  # (the search waits)
+            after_pool = pool_delay(shards, matchmaking_time, settings.request_timeout)
+            result = _blocking_step(
+                averager,
+                tracker,
+                epoch,
+                grid.weight,
+                matchmaking_time,
+                averaging_timeout,
+                scheduled_time=scheduled,
+            )
+            if result is None:
+                grid.failed(me)
+            else:
+                grid.averaged(result.group_id, result.peers, result.weights, me, result.is_full)
+                if on_round is not None:
+                    on_round(index, result)
+    finally:
+        averager.set_shards(1)  # the epoch's other rounds (parameters) use the plain key
+    return result, grid
+
+
+def _blocking_step(
+    averager: DecentralizedAverager,
+    tracker: ProgressTracker,
+    epoch: int,
+    weight: float,
+    matchmaking_time: float,
+    averaging_timeout: float,
+    *,
+    scheduled_time: float | None = None,
+) -> RoundResult | None:
     # The timeout bounds the search for a group; the all-reduce has its own (allreduce_timeout).
+    # A round scheduled later (after a sharded one) searches that much longer.
     search = 2 * matchmaking_time + 1.0
-    future = averager.step(weight=weight, timeout=search, wait=False)
+    if scheduled_time is not None:
+        search += max(0.0, scheduled_time - get_dht_time())
+    future = averager.step(weight=weight, timeout=search, scheduled_time=scheduled_time, wait=False)
     if not isinstance(future, StepControl):  # step(wait=False) returns one
         raise TypeError(f"averager.step(wait=False) returned {type(future).__name__}")
     give_up = time.monotonic() + search + averaging_timeout + 30.0
@@ -126,13 +249,13 @@ def average_at_epoch(
             if (moved_on and averager.is_looking_for_group) or time.monotonic() > give_up:
                 future.cancel()
                 logger.info("the others finished epoch %d's round without us", epoch)
-                return None, expected
+                return None
         except AveragingFailed as e:  # no group, or the round failed: RoundOutcome.log warns
             logger.info("%s: %s", averager.settings.prefix, e)
-            return None, expected
+            return None
         except (TransientError, KitTimeout, KitError, concurrent.futures.CancelledError) as e:
             logger.warning("averaging round failed: %s", e)
-            return None, expected
+            return None
     if result is not None:
         logger.debug(
             "%s: averaged with %d peers (full: %s) in %.2f + %.2f s",
@@ -142,16 +265,20 @@ def average_at_epoch(
             result.matchmaking_time,
             result.allreduce_time,
         )
-    return result, expected
+    return result
 
 
 class GradientRounds:
-    """One gradient round per epoch with ``averager`` (the optimizer's gradient averager).
+    """One gradient average per epoch with ``averager`` (the optimizer's gradient averager): one
+    group, or a Moshpit grid when more peers are expected than ``target_group_size``.
 
     Args:
         averager: the gradient averager (float32 CPU buffers shaped as the parameters).
         tracker: the progress tracker (who is at which epoch).
-        matchmaking_time, averaging_timeout: as ``kit.Optimizer``'s.
+        deadlines: the matchmaking time and averaging timeout, fixed or "auto"
+            (``kit.averaging.deadlines``: updated before every round).
+        target_group_size: the largest group (None: one group of everyone).
+        me: this peer's id (its place on a grid).
         exact_gradients: every member of a full round gets bit-identical gradients (an exact
             codec, or one shared lossy average: ``kit.optim.state_averaging``).
     """
@@ -161,14 +288,18 @@ class GradientRounds:
         averager: DecentralizedAverager,
         tracker: ProgressTracker,
         *,
-        matchmaking_time: float,
-        averaging_timeout: float,
+        deadlines: Deadlines,
+        target_group_size: int | None,
+        me: PeerID,
         exact_gradients: bool,
     ) -> None:
         self.averager = averager
         self.tracker = tracker
-        self.matchmaking_time = matchmaking_time
-        self.averaging_timeout = averaging_timeout
+        self.deadlines = deadlines
+        self.target_group_size = target_group_size
+        self.me = me
+        self.matchmaking_time = deadlines.matchmaking_time(2)
+        self.averaging_timeout = deadlines.averaging_timeout(2)
         self.exact_gradients = exact_gradients
         self.listeners: list[Callable[[int, RoundResult], None]] = []
 
@@ -187,15 +318,17 @@ class GradientRounds:
     ) -> None:
         """Give the (averaged) buffers to the inner optimizer for its step.
 
-        Chunks the round left unaveraged (their aggregator failed, or the deadline came) step
-        with a zero gradient, not with this peer's own: when an aggregator dies every member
+        Chunks a one-group round left unaveraged (their aggregator failed, or the deadline came)
+        step with a zero gradient, not with this peer's own: when an aggregator dies every member
         loses the same chunks, so all of them still step alike and stay bit-identical
         (parameters and optimizer statistics). With their own gradients there each member would
-        step differently, and no member would hold the collaboration's state to copy.
+        step differently, and no member would hold the collaboration's state to copy. (On a
+        Moshpit grid a peer's value is already a mean over other groups' members, whose groups
+        lost other chunks or none: it keeps it and is marked drifted, ``RoundOutcome``.)
         """
         result = outcome.result
         with self.averager.get_tensors() as buffers:
-            if result is not None and not result.is_full:
+            if outcome.grid is None and result is not None and not result.is_full:
                 for part, specs in zip(result.report.parts, result.plan.parts, strict=False):
                     for spec, peers in zip(specs, part.chunk_peers, strict=False):
                         if not peers:
@@ -205,23 +338,74 @@ class GradientRounds:
     def average(
         self, epoch: int, samples: int, *, last_group_size: int, exact_steps: bool
     ) -> RoundOutcome:
-        """The round of ``epoch`` (blocking), weighted by ``samples``; listeners hear of it.
+        """The average of ``epoch`` (blocking), weighted by ``samples``; listeners hear of it.
 
         ``exact_steps``: this peer's optimizer steps bit-identically to the others'.
         """
-        result, expected = average_at_epoch(
+        exact = self.exact_gradients and exact_steps
+        expected = expected_peers(self.tracker, epoch, last_group_size)
+        self._apply_deadlines(expected)
+        group_size = self.target_group_size
+        if group_size is not None and expected > group_size:
+            outcome = self._average_on_grid(epoch, samples, expected, group_size, exact)
+        else:
+            result, expected = average_at_epoch(
+                self.averager,
+                self.tracker,
+                epoch,
+                float(samples),
+                last_group_size=last_group_size,
+                matchmaking_time=self.matchmaking_time,
+                averaging_timeout=self.averaging_timeout,
+            )
+            if result is not None:
+                self._notify(epoch, result)
+            outcome = RoundOutcome(epoch, result, expected, exact)
+        result = outcome.result
+        if result is None:
+            if expected >= 2:
+                self.deadlines.observe_search(None, filled=False)
+            return outcome
+        filled = len(result) >= min(expected, self.target_group_size or expected)
+        self.deadlines.observe_search(result.matchmaking_time, filled=filled)
+        timed_out = not result.is_full and result.allreduce_time >= 0.9 * self.averaging_timeout
+        self.deadlines.observe_round(None if timed_out else result.allreduce_time)
+        return outcome
+
+    def _apply_deadlines(self, peers: int) -> None:
+        """``"auto"`` deadlines (kit.averaging.deadlines) for a round among ``peers``."""
+        if not self.deadlines.auto:
+            return
+        self.matchmaking_time = self.deadlines.matchmaking_time(peers)
+        self.averaging_timeout = self.deadlines.averaging_timeout(peers)
+        self.averager.set_deadlines(self.matchmaking_time, self.averaging_timeout)
+
+    def _average_on_grid(
+        self, epoch: int, samples: int, expected: int, group_size: int, exact: bool
+    ) -> RoundOutcome:
+        total = self.tracker.samples_at_epoch(epoch)
+
+        def first_round(index: int, result: RoundResult) -> None:
+            if index == 0:  # the members' own samples (later rounds weigh whole groups)
+                self._notify(epoch, result)
+
+        result, grid = average_on_grid(
             self.averager,
             self.tracker,
             epoch,
             float(samples),
-            last_group_size=last_group_size,
+            me=self.me,
+            expected=expected,
+            group_size=group_size,
             matchmaking_time=self.matchmaking_time,
             averaging_timeout=self.averaging_timeout,
+            on_round=first_round,
         )
-        if result is not None:
-            for listener in self.listeners:  # e.g. kit.metrics attests the group's weights
-                try:
-                    listener(epoch, result)
-                except Exception:  # a listener's bug must not break training
-                    logger.exception("a round listener failed")
-        return RoundOutcome(epoch, result, expected, self.exact_gradients and exact_steps)
+        return RoundOutcome(epoch, result, expected, exact, grid, total)
+
+    def _notify(self, epoch: int, result: RoundResult) -> None:
+        for listener in self.listeners:  # e.g. kit.metrics attests the group's weights
+            try:
+                listener(epoch, result)
+            except Exception:  # a listener's bug must not break training
+                logger.exception("a round listener failed")

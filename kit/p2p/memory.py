@@ -22,7 +22,11 @@ What is emulated, because code above p2p depends on it:
 * faults: :meth:`MemoryNetwork.link` gives a :class:`FaultyLink` that drops, refuses or delays
   what is sent to one peer.
 
-What is not emulated: bandwidth, message loss inside a connection, NAT, authentication.
+* links (optional): a :class:`LinkModel` (``kit.testing.links.SimulatedLinks``) gives every
+  message a delivery time from the sender's uplink, the receiver's downlink and their latency;
+  on a loop on virtual time (``kit.testing.virtual_time``) that is what simulated peers measure.
+
+What is not emulated: message loss inside a connection, NAT, authentication.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import logging
 import os
 import weakref
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from kit.errors import (
     ConfigError,
@@ -156,18 +160,33 @@ class FaultyLink:
             await asyncio.sleep(self.extra_delay)
 
 
+class LinkModel(Protocol):
+    """When what one in-memory peer sends another gets there (see ``kit.testing.links``)."""
+
+    def transmit(
+        self, sender: PeerID, receiver: PeerID, nbytes: int, now: float
+    ) -> tuple[float, float]:
+        """(loop time the sender's uplink is done with the message, loop time it arrives)."""
+
+    def connect_delay(self, dialer: PeerID, target: PeerID) -> float:
+        """Seconds a new connection takes before its first message (handshakes)."""
+
+
 class MemoryNetwork:
     """A set of in-process peers that can dial each other; one per test or dry run.
 
     Args:
-        stream_window: messages a stream buffers for its receiver before ``send_message`` waits.
-            Increase it to emulate long fat links; 1 makes every send wait for the reader.
+        stream_window: messages a stream buffers (or has in flight) for its receiver before
+            ``send_message`` waits. Increase it to emulate long fat links; 1 makes every send
+            wait for the reader.
+        links: delivery times of messages (None: at once).
     """
 
-    def __init__(self, *, stream_window: int = 8) -> None:
+    def __init__(self, *, stream_window: int = 8, links: LinkModel | None = None) -> None:
         if stream_window < 1:
             raise ConfigError(f"stream_window must be >= 1, got {stream_window} - help: use 8")
         self.stream_window = stream_window
+        self.links = links
         self._peers: dict[PeerID, MemoryPeer] = {}
         self._links: dict[PeerID, FaultyLink] = {}
 
@@ -222,11 +241,20 @@ class MemoryNetwork:
 
 
 class _Pipe:
-    """One direction of a stream: a bounded queue of messages plus end-of-stream / error state."""
+    """One direction of a stream: a bounded queue of messages plus end-of-stream / error state.
 
-    def __init__(self, window: int) -> None:
+    With a link model, a message is in flight until its delivery time (counted in the window,
+    as bytes in a TCP window are), and end-of-stream arrives after the last message.
+    """
+
+    def __init__(
+        self, window: int, links: LinkModel | None = None, route: tuple[PeerID, PeerID] | None = None
+    ) -> None:
         self._items: collections.deque[bytes] = collections.deque()
         self._window = window
+        self._links, self._route = links, route
+        self._in_flight = 0
+        self._closing = False
         self._closed = False
         self._error: BaseException | None = None
         # One future per waiter, registered before awaiting, so no wake-up can be lost between
@@ -249,16 +277,33 @@ class _Pipe:
                 raise KitTimeout(f"{what} timed out") from None
 
     async def put(self, data: bytes, deadline: float | None) -> None:
-        if self._closed:
+        if self._closed or self._closing:
             raise LocalProtocolError("send_message after close() on this stream")
         await self._wait(
-            lambda: self._error is not None or len(self._items) < self._window,
+            lambda: self._error is not None or len(self._items) + self._in_flight < self._window,
             deadline,
             "send_message (the receiver is not reading)",
         )
         if self._error is not None:
             raise self._error
-        self._items.append(data)
+        if self._links is None or self._route is None:
+            self._items.append(data)
+            self._notify()
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        sent_at, arrives_at = self._links.transmit(*self._route, len(data), now)
+        self._in_flight += 1
+        loop.call_at(arrives_at, self._arrive, data)
+        if sent_at > now:  # the sender's uplink is busy with it (a full socket buffer)
+            await asyncio.sleep(sent_at - now)
+
+    def _arrive(self, data: bytes) -> None:
+        self._in_flight -= 1
+        if self._error is None:
+            self._items.append(data)
+            if self._closing and not self._in_flight:
+                self._closed = True
         self._notify()
 
     async def get(self, deadline: float | None) -> bytes | None:
@@ -275,7 +320,10 @@ class _Pipe:
         return None
 
     def close(self) -> None:
-        self._closed = True
+        if self._in_flight:
+            self._closing = True  # end-of-stream follows the messages still on the wire
+        else:
+            self._closed = True
         self._notify()
 
     def fail(self, error: BaseException) -> None:
@@ -407,7 +455,11 @@ class MemoryPeer:
             too_large = FrameTooLarge(f"request of {len(request)} bytes > max_size {max_request}")
             raise _as_remote_error(too_large)
         target.stats[protocol] += 1
-        task = target._spawn(handler(self.peer_id, bytes(request)))
+        links = self._network.links
+        if links is None:
+            task = target._spawn(handler(self.peer_id, bytes(request)))
+        else:
+            task = target._spawn(_over_links(links, self.peer_id, target.peer_id, handler, request))
         try:
             done, _ = await asyncio.wait({task}, timeout=_remaining(deadline))
         except asyncio.CancelledError:
@@ -433,8 +485,9 @@ class MemoryPeer:
         handler = target._streaming.get(protocol)
         if handler is None:
             raise UnknownProtocol(UNKNOWN_PROTOCOL, f"{peer_id.short()} serves no {protocol!r}")
-        window = self._network.stream_window
-        to_target, to_self = _Pipe(window), _Pipe(window)
+        window, links = self._network.stream_window, self._network.links
+        to_target = _Pipe(window, links, (self.peer_id, peer_id))
+        to_self = _Pipe(window, links, (peer_id, self.peer_id))
         ours = MemoryStream(peer_id, protocol, inbound=to_self, outbound=to_target)
         theirs = MemoryStream(self.peer_id, protocol, inbound=to_target, outbound=to_self)
         self._streams.add(ours)
@@ -500,6 +553,14 @@ class MemoryPeer:
         elif target is None:  # pragma: no cover - connections are dropped on shutdown
             raise PeerUnavailable(f"peer {peer_id.short()} is not running")
         await self._network.link(peer_id).apply(peer_id, deadline)
+        links = self._network.links
+        if links is not None and peer_id not in self._connections:
+            delay = links.connect_delay(self.peer_id, peer_id)
+            remaining = _remaining(deadline)
+            if remaining is not None and remaining < delay:
+                await asyncio.sleep(remaining)
+                raise KitTimeout(f"connecting to {peer_id.short()} timed out (simulated link)")
+            await asyncio.sleep(delay)
         if not target._running:
             raise ConnectionLost(f"peer {peer_id.short()} shut down while being dialed")
         self._connections.add(peer_id)
@@ -510,6 +571,20 @@ class MemoryPeer:
 
 async def _await(work: Awaitable[Any]) -> Any:
     return await work
+
+
+async def _over_links(
+    links: LinkModel, caller: PeerID, callee: PeerID, handler: UnaryHandler, request: bytes
+) -> Any:
+    """A unary call whose request and response take the time the links give them."""
+    loop = asyncio.get_running_loop()
+    _, arrives_at = links.transmit(caller, callee, len(request), loop.time())
+    await asyncio.sleep(max(0.0, arrives_at - loop.time()))
+    response = await handler(caller, bytes(request))
+    if isinstance(response, bytes | bytearray | memoryview):
+        _, arrives_at = links.transmit(callee, caller, len(response), loop.time())
+        await asyncio.sleep(max(0.0, arrives_at - loop.time()))
+    return response
 
 
 async def _serve_stream(handler: StreamHandler, stream: MemoryStream) -> None:

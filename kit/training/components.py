@@ -211,6 +211,7 @@ def build_collaborative_optimizer(
         scheduler=lambda opt: build_scheduler(opt, config.optimizer),
         matchmaking_time=collab.matchmaking_time,
         averaging_timeout=collab.averaging_timeout,
+        target_group_size=collab.target_group_size,
         load_state_timeout=collab.load_state_timeout,
         average_state_every=collab.average_state_every,
         client_mode=client_mode,

@@ -1,21 +1,30 @@
-"""The matchmaking state machine, pure: explicit ``now``, no I/O, every transition by hand."""
+"""The matchmaking state machine, pure: explicit ``now``, no I/O, every transition by hand.
+
+Then swarms of pure matchmakers on a simulated DHT (stores that land late, polls that see
+part of the key): up to 1,000 peers form groups of G/2..G, all full but one remainder.
+"""
 
 from __future__ import annotations
 
+import collections
 import random
+from collections.abc import Iterable
 
 import pytest
 
 from kit.averaging.matchmaking import (
     FINAL_PHASES,
     TRANSITIONS,
+    Action,
     AskLeader,
     Begin,
     Declaration,
+    Invite,
     Matchmaker,
     MatchmakingSettings,
     MemberInfo,
     Phase,
+    Pool,
     Refusal,
     Release,
     Trigger,
@@ -29,7 +38,7 @@ SETTINGS = MatchmakingSettings(
 
 
 def pid(n: int) -> PeerID:
-    return PeerID(bytes([n]) * 32)
+    return PeerID(n.to_bytes(4, "big") * 8)
 
 
 def member(n: int, *, client: bool = False, aux: bool = False, weight: float = 1.0) -> MemberInfo:
@@ -49,8 +58,14 @@ def started(
     return matchmaker
 
 
-def declaration(n: int, expiration: float) -> Declaration:
-    return Declaration(pid(n), expiration, (f"memory://{n}",))
+def declaration(n: int, expiration: float, *, client: bool = False) -> Declaration:
+    return Declaration(pid(n), expiration, () if client else (f"memory://{n}",))
+
+
+def settle(matchmaker: Matchmaker, now: float, view: list[Declaration]) -> list[Action]:
+    """Two polls in a row with the same view: the matchmaker decides on the second."""
+    assert matchmaker.observe(now, view) == [] or matchmaker.first_view < float("inf")
+    return matchmaker.observe(now, view)
 
 
 def test_table_covers_every_phase_and_final_phases_have_no_exit() -> None:
@@ -68,31 +83,134 @@ def test_start_declares_with_the_matchmaking_expiration() -> None:
     assert matchmaker.phase is Phase.LOOKING
     assert declared == Declaration(pid(1), 105.0, ("memory://1",))
     short = Matchmaker(member(2), SETTINGS)
-    declared = short.start(100.0, 102.0)
-    assert declared is not None and declared.expiration == 102.0  # never after the deadline
+    assert short.start(100.0, 102.0).expiration == 102.0  # never after the deadline
     with pytest.raises(LocalProtocolError):
         short.start(100.0, 130.0)  # no transition looking --start-->
 
 
-def test_client_mode_peers_never_declare_nor_lead() -> None:
+def test_client_mode_peers_declare_without_address_and_never_lead() -> None:
     client = Matchmaker(member(1, client=True), SETTINGS)
-    assert client.start(100.0, 130.0) is None
+    declared = client.start(100.0, 130.0)
+    assert declared.addresses == () and not declared.can_lead  # counted in chunks, never asked
     refusal, actions = client.join_request(100.0, member(2))
     assert refusal == Refusal("not_a_leader") and actions == []
-    # A client joins any leader, even one that declared after it.
-    actions = client.observe(101.0, [declaration(9, 200.0)])
-    assert actions == [AskLeader(declaration(9, 200.0))]
+    # A client joins the leader of its chunk, even one that declared after it.
+    assert settle(client, 101.0, [declaration(9, 200.0)]) == [AskLeader(declaration(9, 200.0))]
 
 
-def test_joins_the_best_leader_ranked_by_expiration_then_id() -> None:
+def test_a_peer_decides_only_when_two_polls_agree_on_who_is_ahead() -> None:
     matchmaker = started(5)  # expiration 105
-    later = declaration(3, 106.0)
-    assert matchmaker.observe(100.1, [later]) == []  # declared later than us: we are better
     best, tie = declaration(7, 104.0), declaration(6, 104.0)
-    actions = matchmaker.observe(100.1, [later, best, tie, declaration(5, 105.0)])
-    assert actions == [AskLeader(tie)]  # same expiration: the smaller id wins
-    assert matchmaker.phase is Phase.JOINING
-    assert matchmaker.observe(100.2, [declaration(1, 90.0)]) == []  # busy joining
+    assert matchmaker.observe(100.1, [best]) == []  # first look: others may still be storing
+    assert matchmaker.observe(100.2, [best, tie]) == []  # someone new ahead: look again
+    # Same peers ahead (a later peer does not count): decide. Ties go to the smaller id.
+    actions = matchmaker.observe(100.3, [best, tie, declaration(3, 106.0)])
+    assert actions == [AskLeader(tie)] and matchmaker.phase is Phase.JOINING
+    assert matchmaker.first_view == 100.3
+    assert matchmaker.observe(100.4, [declaration(1, 90.0)]) == []  # busy joining
+
+
+def test_a_poll_of_lagging_replicas_does_not_settle_the_view() -> None:
+    """A poll that lacked this peer's own declaration read replicas behind the stores: the
+    peers ahead it shows may be incomplete, so it cannot confirm the view (the driver says so)."""
+    matchmaker = started(5)
+    best = declaration(7, 104.0)
+    assert matchmaker.observe(100.1, [best]) == []
+    assert matchmaker.observe(100.3, [best], confirms=False) == []  # lagging: wait
+    assert matchmaker.first_view == float("inf") and matchmaker.phase is Phase.LOOKING
+    assert matchmaker.observe(100.4, [best]) == [AskLeader(best)]  # a confirming poll decides
+
+
+def test_peers_split_into_chunks_of_the_target_size_in_rank_order() -> None:
+    view = [declaration(n, 100.0 + n) for n in range(10)]  # ranks 0..9; target 4
+    chosen = {}
+    for n in range(10):
+        matchmaker = started(n, now=95.0 + n)
+        actions = settle(matchmaker, 101.0, view)
+        chosen[n] = actions[0].declaration.peer_id if actions else None
+    # Chunks [0 1 2 3] [4 5 6 7] [8 9]: the first of each leads, the others ask it.
+    assert chosen == {0: None, 1: pid(0), 2: pid(0), 3: pid(0), 4: None, 5: pid(4), 6: pid(4),
+                      7: pid(4), 8: None, 9: pid(8)}  # fmt: skip
+
+
+def test_a_remainder_too_small_to_begin_asks_the_chunks_before_it() -> None:
+    view = [declaration(n, 100.0 + n) for n in range(9)]  # [0..3] [4..7] [8]
+    last = started(8, now=103.0)
+    assert settle(last, 101.0, view) == [AskLeader(view[4])]  # the nearest chunk first
+    assert last.join_answered(101.1, pid(4), Refusal("full")) == [AskLeader(view[0])]
+
+
+def test_a_sharded_search_fills_its_chunk_or_moves_the_shards_remainder_to_the_pool() -> None:
+    view = [declaration(n, 100.0 + n) for n in range(10)]  # the shard: [0..3] [4..7] [8 9]
+
+    def sharded(n: int) -> Matchmaker:
+        matchmaker = Matchmaker(member(n), SETTINGS, sharded=True)
+        matchmaker.start(95.0 + n, 130.0)  # its expiration is 100 + n, as in the view
+        return matchmaker
+
+    full = sharded(5)
+    assert settle(full, 101.0, view) == [AskLeader(view[4])]  # a full chunk forms as before
+    last = sharded(9)
+    assert settle(last, 101.0, view) == []  # the shard's last chunk: others may still append
+    assert last.tick(108.9) == [] and last.next_wakeup(108.9) == 109.0
+    [pool] = last.tick(109.0)  # they had their matchmaking time: to the pool, ranked anew
+    assert pool == Pool(Declaration(pid(9), 114.0, ("memory://9",)))
+    assert last.phase is Phase.LOOKING and not last.sharded and last.view == {}
+    assert settle(last, 109.5, [declaration(40, 113.0)]) == [AskLeader(declaration(40, 113.0))]
+    # A shard's leader whose chunk stayed short at its begin time takes its followers along.
+    leader = sharded(8)
+    leader.join_request(100.5, member(9))
+    settle(leader, 101.0, view)
+    assert leader.tick(107.9) == []
+    actions = leader.tick(108.0)  # its expiration: nobody else came
+    assert actions[0] == Release((pid(9),), None) and isinstance(actions[1], Pool)
+    # A chunk that formed without this peer (its leader is full): the pool at once.
+    late = sharded(6)
+    assert settle(late, 101.0, view) == [AskLeader(view[4])]
+    [pool] = late.join_answered(101.1, pid(4), Refusal("full"))
+    assert isinstance(pool, Pool)
+
+
+def test_a_client_first_in_its_chunk_leaves_the_lead_to_the_next_peer() -> None:
+    view = [declaration(0, 100.0, client=True), *(declaration(n, 100.0 + n) for n in (1, 2))]
+    assert settle(started(2, now=97.0), 101.0, view) == [AskLeader(view[1])]
+
+
+def test_refusals_walk_the_chunk_or_move_to_the_next_chunk() -> None:
+    view = [declaration(n, 100.0 + n) for n in range(8)]
+    matchmaker = started(3, now=98.0)
+    assert settle(matchmaker, 101.0, view) == [AskLeader(view[0])]
+    # Peer 0 follows someone else: its leader is asked, if it says who; else the next peer.
+    actions = matchmaker.join_answered(101.1, pid(0), Refusal("following", view[7]))
+    assert actions == [AskLeader(view[7])]
+    actions = matchmaker.join_answered(101.1, pid(7), Refusal("following"))
+    assert actions == [AskLeader(view[1])]
+    # Peer 1's group is full: this chunk formed without us, the next chunk's leader is asked.
+    assert matchmaker.join_answered(101.2, pid(1), Refusal("full")) == [AskLeader(view[4])]
+    # A refusal for following is worth asking again after request_timeout; full is not.
+    actions = matchmaker.join_answered(101.3, pid(4), Refusal("not_looking"))
+    assert actions == [AskLeader(view[5])]  # 4 is not looking: the next of its chunk
+    matchmaker.join_answered(101.3, pid(5), Refusal("full"))
+    assert matchmaker.phase is Phase.LOOKING
+    assert matchmaker.observe(101.5, view) == []  # 0 and 7 follow, 1 and 5 are full: lead
+    assert matchmaker.observe(102.2, view) == [AskLeader(view[0])]  # 0 may lead by now
+
+
+def test_unreachable_peers_leave_the_count_and_chunk_mates_are_told() -> None:
+    dead = [declaration(n, 10.0 + n) for n in (80, 81)]  # crashed: their declarations linger
+    live = [declaration(n, 100.0 + n) for n in range(4)]
+    first = started(0, now=95.0)
+    assert settle(first, 101.0, dead + live[1:]) == [AskLeader(dead[0])]
+    assert first.join_answered(101.1, pid(80), Refusal("unreachable")) == [AskLeader(dead[1])]
+    # Both gone: [0 1 2 3] is one chunk, peer 0 leads it, and tells 2 and 3 (who counted
+    # themselves in the next chunk) about the dead; 1 was in its chunk anyway but is told too.
+    actions = first.join_answered(101.2, pid(81), Refusal("unreachable"))
+    assert {a.peer.peer_id for a in actions if isinstance(a, Invite)} == {pid(1), pid(2), pid(3)}
+    assert all(isinstance(a, Invite) and set(a.gone) == {pid(80), pid(81)} for a in actions)
+    assert first.observe(101.3, dead + live[1:]) == []  # each is told once
+    third = started(2, now=97.0)
+    assert settle(third, 101.0, dead + [live[0], live[1], live[3]]) == []  # [80 81 0 1] [2 3]
+    assert third.invited_by(101.4, live[0], [pid(80), pid(81)]) == [AskLeader(live[0])]
 
 
 def test_leader_accepts_until_target_size_then_begins_at_once() -> None:
@@ -112,22 +230,28 @@ def test_leader_accepts_until_target_size_then_begins_at_once() -> None:
 def test_full_group_refuses_and_duplicates_are_refused() -> None:
     leader = started(1, settings=MatchmakingSettings(target_group_size=None, min_group_size=3))
     assert leader.join_request(100.0, member(2))[0] is None
-    assert leader.join_request(100.0, member(2))[0] == Refusal("not_looking")
+    assert leader.join_request(100.0, member(2))[0] == Refusal("duplicate")
     capped = started(1, settings=MatchmakingSettings(target_group_size=3, min_group_size=3))
     capped.join_request(100.0, member(2))
     capped.followers[pid(3)] = member(3)  # as if full: a target of 3 with 2 followers
     assert capped.join_request(100.0, member(4))[0] == Refusal("full")
 
 
-def test_leader_begins_at_expiration_only_with_enough_members() -> None:
-    settings = MatchmakingSettings(target_group_size=None, min_group_size=3, min_matchmaking_time=5)
+def test_leader_begins_once_settled_and_only_with_enough_members() -> None:
+    settings = MatchmakingSettings(None, 3, min_matchmaking_time=5, request_timeout=1)
     leader = started(1, settings=settings)
     leader.join_request(101.0, member(2))
-    assert leader.next_wakeup() == 105.0
-    assert leader.tick(105.0) == []  # 2 < min_group_size: keep waiting for more
+    # Without a view of the DHT yet, it waits past its expiration (others may not see it yet).
+    assert leader.next_wakeup(101.0) == 129.0  # until the deadline less a request_timeout
+    settle(leader, 104.5, [declaration(2, 105.5)])
+    assert leader.next_wakeup(104.5) == 105.5  # its first view + request_timeout
+    assert leader.tick(105.5) == []  # 2 < min_group_size: keep waiting for more
     assert leader.phase is Phase.LEADING
     refusal, actions = leader.join_request(106.0, member(3))
     assert refusal is None and actions == [Begin((member(1), member(2), member(3)))]
+    early = started(4, settings=settings)
+    settle(early, 100.1, [])
+    assert early.next_wakeup(100.1) == 105.0  # seen early: its expiration holds
 
 
 def test_deadline_fails_and_releases_followers() -> None:
@@ -137,47 +261,31 @@ def test_deadline_fails_and_releases_followers() -> None:
     assert leader.tick(109.9) == []
     assert leader.tick(110.0) == [Release((pid(2),), None)]
     assert leader.phase is Phase.FAILED and "no group" in leader.failure
-    assert leader.next_wakeup() == float("inf")
+    assert leader.next_wakeup(110.0) == float("inf")
     lonely = started(3, deadline=110.0)
     assert lonely.tick(110.0) == [] and lonely.phase is Phase.FAILED
 
 
-def test_a_leader_that_sees_a_better_leader_brings_its_followers() -> None:
+def test_a_leader_that_sees_a_better_leader_of_its_chunk_brings_its_followers() -> None:
     leader = started(5)
+    settle(leader, 100.05, [])
     leader.join_request(100.1, member(6))
     better = declaration(2, 104.0)
-    actions = leader.observe(100.2, [better])
+    actions = leader.observe(100.2, [better, declaration(6, 106.0)])
     assert actions == [Release((pid(6),), better), AskLeader(better)]
     assert leader.phase is Phase.JOINING and leader.followers == {}
     assert leader.join_answered(100.3, pid(2), None) == []
     assert leader.phase is Phase.FOLLOWING
     # While following, join requests are refused with the leader to ask instead.
     assert leader.join_request(100.4, member(7)) == (Refusal("following", better), [])
-
-
-def test_refused_leaders_are_not_asked_again_for_request_timeout() -> None:
-    matchmaker = started(5)
-    leader = declaration(2, 104.0)
-    matchmaker.observe(100.0, [leader])
-    assert matchmaker.join_answered(100.1, pid(2), Refusal("full")) == []
-    assert matchmaker.phase is Phase.LOOKING
-    assert matchmaker.observe(100.5, [leader]) == []  # refused 0.4 s ago
-    assert matchmaker.observe(101.2, [leader]) == [AskLeader(leader)]
-
-
-def test_a_refusal_naming_another_leader_goes_there_directly() -> None:
-    matchmaker = started(5)
-    matchmaker.observe(100.0, [declaration(3, 104.0)])
-    suggested = declaration(1, 103.0)
-    actions = matchmaker.join_answered(100.1, pid(3), Refusal("following", suggested))
-    assert actions == [AskLeader(suggested)] and matchmaker.phase is Phase.JOINING
-    # An answer from someone we did not ask changes nothing.
-    assert matchmaker.join_answered(100.2, pid(3), None) == []
+    # Released with a suggestion: it asks the suggested leader directly.
+    suggested = declaration(3, 103.0)
+    assert leader.leader_lost(100.5, pid(2), suggested) == [AskLeader(suggested)]
 
 
 def test_leader_lost_and_followers_leaving() -> None:
     follower = started(5)
-    follower.observe(100.0, [declaration(1, 104.0)])
+    settle(follower, 100.0, [declaration(1, 104.0)])
     follower.join_answered(100.1, pid(1), None)
     assert follower.leader_lost(100.2, pid(9)) == []  # not our leader
     follower.leader_lost(100.2, pid(1))
@@ -195,7 +303,7 @@ def test_group_received_only_from_the_leader_while_following() -> None:
     follower = started(5)
     with pytest.raises(LocalProtocolError):
         follower.group_received(100.0, pid(1))
-    follower.observe(100.0, [declaration(1, 104.0)])
+    settle(follower, 100.0, [declaration(1, 104.0)])
     follower.join_answered(100.1, pid(1), None)
     with pytest.raises(LocalProtocolError):
         follower.group_received(100.2, pid(2))
@@ -213,48 +321,137 @@ def test_settings_are_validated() -> None:
         MatchmakingSettings(request_timeout=0)
 
 
-def _deliver(peers: dict[int, Matchmaker], actor: int, action: object, now: float) -> list:
-    """What the driver would do with one action, on a network where answers arrive at once."""
-    if isinstance(action, AskLeader):
-        leader = action.declaration.peer_id.to_bytes()[0]
-        refusal, actions = peers[leader].join_request(now, peers[actor].me)
-        answered = peers[actor].join_answered(now, action.declaration.peer_id, refusal)
-        return [(leader, a) for a in actions] + [(actor, a) for a in answered]
-    if isinstance(action, Release):
-        follow_ups = []
-        for follower in action.followers:
-            released = peers[follower.to_bytes()[0]]
-            follow_ups += [
-                (follower.to_bytes()[0], a) for a in released.leader_lost(now, pid(actor))
-            ]
-            if action.suggested is not None:
-                suggested = released.observe(now, [action.suggested])
-                follow_ups += [(follower.to_bytes()[0], a) for a in suggested]
-        return follow_ups
-    return []
+# --- swarms of pure matchmakers ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("seed", range(20))
-def test_peers_with_stale_views_converge_on_one_group(seed: int) -> None:
-    """Peers poll random subsets of the DHT (stale views); they still end in one group."""
-    rng = random.Random(seed)
-    n = rng.randint(2, 7)
-    settings = MatchmakingSettings(min_group_size=2, min_matchmaking_time=5)
-    peers = {i: Matchmaker(member(i), settings) for i in range(n)}
-    declarations = [m.start(100.0 + rng.random(), 200.0) for m in peers.values()]
-    now = 101.0
-    for _ in range(300):
-        now += 0.005
-        poller = rng.randrange(n)
-        visible = [d for d in declarations if d is not None and rng.random() < 0.6]
-        pending = [(poller, a) for a in peers[poller].observe(now, visible)]
+class PureSwarm:
+    """Matchmakers on a simulated DHT: a peer's declaration becomes visible a random time in
+    ``store_delay`` after it started (stores of a burst land in any order), a poll shows each
+    visible declaration with probability ``visibility``, answers arrive at once. Peers poll
+    every ``poll_period`` once their own store landed; the rest follows the actions."""
+
+    def __init__(
+        self,
+        n: int,
+        settings: MatchmakingSettings,
+        rng: random.Random,
+        *,
+        spread: float,
+        store_delay: tuple[float, float],
+        visibility: float = 1.0,
+        window: float = 60.0,
+        shards: int = 1,
+    ) -> None:
+        self.rng, self.visibility, self.store_delay = rng, visibility, store_delay
+        self.starts = {i: 100.0 + rng.random() * spread for i in range(n)}
+        self.landed = {i: t + rng.uniform(*store_delay) for i, t in self.starts.items()}
+        self.next_poll = dict(self.landed)
+        sharded = shards > 1  # shards by a random draw per peer (a hash of its id in the driver)
+        self.keys = {i: f"shard{rng.randrange(shards)}" if sharded else "" for i in range(n)}
+        self.peers = {i: Matchmaker(member(i), settings, sharded=sharded) for i in range(n)}
+        self.declarations: dict[int, Declaration] = {}
+        self.window = window
+        self.groups: list[tuple[MemberInfo, ...]] = []
+
+    def run(self, poll_period: float = 0.2, step: float = 0.05) -> None:
+        now = min(self.starts.values())
+        end = now + self.window + 1.0
+        next_poll = self.next_poll
+        while now < end:
+            for i, started_at in self.starts.items():
+                if self.peers[i].phase is Phase.IDLE and started_at <= now:
+                    self.declarations[i] = self.peers[i].start(started_at, started_at + self.window)
+            for i, peer in self.peers.items():
+                if peer.phase in (Phase.LOOKING, Phase.LEADING) and next_poll[i] <= now:
+                    next_poll[i] = now + poll_period
+                    self.execute(i, peer.observe(now, self.visible(now, i)), now)
+            for i, peer in self.peers.items():
+                if peer.phase is not Phase.IDLE:
+                    self.execute(i, peer.tick(now), now)
+            now += step
+
+    def visible(self, now: float, me: int) -> list[Declaration]:
+        return [
+            d
+            for i, d in self.declarations.items()
+            if i != me
+            and self.keys[i] == self.keys[me]
+            and self.landed[i] <= now
+            and self.peers[i].phase not in FINAL_PHASES  # withdrawn (or never finished)
+            and self.rng.random() < self.visibility
+        ]
+
+    def execute(self, actor: int, actions: Iterable[Action], now: float) -> None:
+        pending = collections.deque((actor, action) for action in actions)
         while pending:
-            pending += _deliver(peers, *pending.pop(0), now)
-    leaders = [m for m in peers.values() if m.phase is Phase.LEADING]
-    best = min((d for d in declarations if d is not None), key=lambda d: d.rank)
-    assert [m.me.peer_id for m in leaders] == [best.peer_id]
-    assert all(
-        m.phase is Phase.FOLLOWING and m.leader == best for m in peers.values() if m not in leaders
-    )
-    actions = leaders[0].tick(leaders[0].expiration)
-    assert len(actions) == 1 and isinstance(actions[0], Begin) and len(actions[0].members) == n
+            actor, action = pending.popleft()
+            peer = self.peers[actor]
+            if isinstance(action, AskLeader):
+                leader = index(action.declaration.peer_id)
+                refusal, led = self.peers[leader].join_request(now, peer.me)
+                pending += [(leader, a) for a in led]
+                pending += [(actor, a) for a in peer.join_answered(now, pid(leader), refusal)]
+            elif isinstance(action, Release):
+                for follower in action.followers:
+                    released = self.peers[index(follower)]
+                    lost = released.leader_lost(now, peer.me.peer_id, action.suggested)
+                    pending += [(index(follower), a) for a in lost]
+            elif isinstance(action, Invite):
+                target = index(action.peer.peer_id)
+                told = self.peers[target].invited_by(now, peer.declaration, action.gone)
+                pending += [(target, a) for a in told]
+            elif isinstance(action, Pool):  # a new declaration under the pool key, stored anew
+                self.keys[actor], self.declarations[actor] = "pool", action.declaration
+                self.landed[actor] = now + self.rng.uniform(*self.store_delay)
+                self.next_poll[actor] = self.landed[actor]
+            elif isinstance(action, Begin):
+                self.groups.append(action.members)
+                for follower in action.members[1:]:
+                    self.peers[index(follower.peer_id)].group_received(now, peer.me.peer_id)
+
+
+def index(peer_id: PeerID) -> int:
+    return int.from_bytes(peer_id.to_bytes()[:4], "big")
+
+
+def check_groups(swarm: PureSwarm, target: int) -> list[int]:
+    sizes = sorted((len(g) for g in swarm.groups), reverse=True)
+    failed = [i for i, p in swarm.peers.items() if p.phase is not Phase.ASSEMBLED]
+    assert len(failed) < 2, f"{len(failed)} peers failed; groups {sizes}"
+    assert sum(sizes) + len(failed) == len(swarm.peers)
+    assert all(target // 2 <= s <= target for s in sizes[:-1]), sizes  # all but one remainder
+    return sizes
+
+
+@pytest.mark.parametrize(("n", "target"), [(64, 16), (128, 128), (256, 32), (1000, 32)])
+def test_a_burst_of_peers_forms_full_groups_but_one(n: int, target: int) -> None:
+    """Every peer steps within one second; stores land 0.5 s late (hundreds at once)."""
+    settings = MatchmakingSettings(target, 2, min_matchmaking_time=5.0, request_timeout=1.0)
+    swarm = PureSwarm(n, settings, random.Random(n), spread=1.0, store_delay=(0.2, 2.0))
+    swarm.run()
+    sizes = check_groups(swarm, target)
+    assert sizes.count(target) == n // target  # full groups, and the remainder
+
+
+@pytest.mark.parametrize(("n", "target", "shards"), [(1024, 32, 8), (512, 32, 5), (1000, 32, 8)])
+def test_sharded_keys_form_full_groups_but_one(n: int, target: int, shards: int) -> None:
+    """Thousands at once over S shard keys (uneven: a random shard per peer); each shard's
+    remainder meets the others' in the pool: with N a multiple of G every group is full."""
+    settings = MatchmakingSettings(target, 2, min_matchmaking_time=5.0, request_timeout=1.0)
+    rng = random.Random(n)
+    swarm = PureSwarm(n, settings, rng, spread=1.0, store_delay=(0.2, 2.0), shards=shards)
+    swarm.run()
+    sizes = check_groups(swarm, target)
+    assert sizes.count(target) == n // target
+    assert sum(key == "pool" for key in swarm.keys.values()) > 0  # the pool was used
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_arrivals_over_the_matchmaking_time(seed: int) -> None:
+    """Peers arrive over the whole matchmaking time, their stores land within 0.3 s."""
+    rng = random.Random(seed)
+    n, target = rng.randint(40, 300), rng.choice([8, 16, 32])
+    settings = MatchmakingSettings(target, 2, min_matchmaking_time=5.0, request_timeout=1.0)
+    swarm = PureSwarm(n, settings, rng, spread=5.0, store_delay=(0.1, 0.3))
+    swarm.run()
+    check_groups(swarm, target)

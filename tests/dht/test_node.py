@@ -16,6 +16,7 @@ from kit.dht.protocol import STORE, NodeInfo, StoreRequest, StoreResponse, decod
 from kit.dht.routing import DHTID
 from kit.dht.storage import StoreStatus, ValueWithExpiration
 from kit.dht.validation import DHTRecord, Ed25519SignatureValidator, SchemaValidator
+from kit.dht.values import pack_key
 from kit.errors import (
     BootstrapFailed,
     DHTNotRunning,
@@ -58,6 +59,46 @@ def test_every_node_of_a_30_node_swarm_finds_every_record(peer_factory: PeerFact
                     for i in range(len(nodes))
                 }
             assert await nodes[7].get("never stored") is None
+
+    run(scenario())
+
+
+def test_a_node_that_knows_nobody_near_a_key_finds_its_nodes_through_its_initial_peer(
+    network: MemoryNetwork,
+) -> None:
+    """Nodes that joined through one initial peer before the other half of the id space
+    filled know nobody there (105 of 256 did). Here the nodes of one half, all but the initial
+    peer, forget the other half: a lookup of a key there still finds its true nearest nodes,
+    starting from what the initial peer knows (before, it converged on the nearest nodes of
+    its own half: 256 matchmaking peers split into two swarms, 1 run in 8)."""
+    top = 1 << (DHTID.HASH_BITS - 1)
+
+    async def scenario() -> None:
+        async with Swarm(network.create_peer) as swarm:
+            await swarm.start(32)
+            first, nodes = swarm.nodes[0], swarm.nodes
+            searcher = next(n for n in nodes[1:] if (n.node_id ^ first.node_id) & top == 0)
+            island = [n for n in nodes[1:] if (n.node_id ^ searcher.node_id) & top == 0]
+            for node in island:
+                for bucket in node.routing_table.buckets:
+                    far = [
+                        i for i in [*bucket.nodes, *bucket.replacements] if (i ^ node.node_id) & top
+                    ]
+                    bucket.replacements.clear()
+                    for node_id in far:
+                        bucket.nodes.pop(node_id, None)
+            key = next(
+                f"key {i}"
+                for i in range(1000)
+                if (DHTID.from_key_bytes(pack_key(f"key {i}", FAST.limits)) ^ searcher.node_id)
+                & top
+            )
+            key_id = DHTID.from_key_bytes(pack_key(key, FAST.limits))
+            truth = sorted(
+                (n for n in nodes if n is not searcher), key=lambda n: n.node_id ^ key_id
+            )
+            found = await searcher.find_nearest(key, 5)
+            assert [c.peer_id for c in found] == [n.peer_id for n in truth[:5]]
 
     run(scenario())
 

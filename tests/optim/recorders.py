@@ -37,8 +37,11 @@ class Averager:
         self.targets: list[int | None] = []
         self.weights: list[float] = []
         self.steps: list[StepControl] = []
+        self.shards: list[int] = []
+        self.scheduled: list[float | None] = []
+        self.timeouts: list[float] = []
         self.is_looking_for_group = True
-        self.settings = types.SimpleNamespace(prefix="test")
+        self.settings = types.SimpleNamespace(prefix="test", request_timeout=3.0)
 
     @contextlib.contextmanager
     def get_tensors(self) -> Iterator[list[torch.Tensor]]:
@@ -50,9 +53,16 @@ class Averager:
     def set_target_group_size(self, size: int | None) -> None:
         self.targets.append(size)
 
-    def step(self, weight: float, timeout: float, wait: bool) -> StepControl:
+    def set_shards(self, shards: int) -> None:
+        self.shards.append(shards)
+
+    def step(
+        self, weight: float, timeout: float, wait: bool, scheduled_time: float | None = None
+    ) -> StepControl:
         control = StepControl(0.0, timeout, False, weight)
         self.weights.append(weight)
+        self.scheduled.append(scheduled_time)
+        self.timeouts.append(timeout)
         self.steps.append(control)
         if self.finish is not None:
             threading.Thread(target=self.finish, args=(control,), daemon=True).start()

@@ -12,11 +12,20 @@ import types
 import pytest
 import torch
 
+from kit.averaging.control import StepControl
+from kit.averaging.deadlines import Deadlines
 from kit.errors import AveragingFailed
 from kit.optim.accumulation import GradientAccumulator
 from kit.optim.epoch_actions import Judgement
-from kit.optim.rounds import GradientRounds, RoundOutcome, average_at_epoch, group_bits
+from kit.optim.rounds import (
+    GradientRounds,
+    RoundOutcome,
+    average_at_epoch,
+    average_on_grid,
+    group_bits,
+)
 from kit.optim.stepping import InnerOptimizer
+from kit.p2p.identity import PeerID
 from tests.optim.recorders import Averager, Result
 
 
@@ -120,8 +129,9 @@ def test_gradient_rounds_feed_the_optimizer_and_tell_listeners() -> None:
     rounds = GradientRounds(
         averager,  # type: ignore[arg-type]
         Tracker(with_samples=2, at_epoch=2),  # type: ignore[arg-type]
-        matchmaking_time=0.5,
-        averaging_timeout=5.0,
+        deadlines=Deadlines.create(0.5, 5.0, 8),
+        target_group_size=None,
+        me=PeerID(bytes(32)),
         exact_gradients=True,
     )
     heard: list[tuple[int, int]] = []
@@ -139,3 +149,38 @@ def test_gradient_rounds_feed_the_optimizer_and_tell_listeners() -> None:
     inner = InnerOptimizer(torch.optim.SGD([param], lr=1.0), None, copies=False, delay=False)
     rounds.give_to(inner, outcome, reuse_grad_buffers=False)
     assert param.grad is not None and torch.equal(param.grad, torch.tensor([2.0, 4.0]))
+
+
+def test_a_grid_of_a_thousand_peers_shards_its_first_round_and_waits_for_its_pool() -> None:
+    """1,024 expected peers in groups of 32: round 1 declares under 8 shard keys (one key of
+    1,024 declarations is too much to poll: kit.averaging.grid.shards_for), round 2 may wait
+    for the pool's groups (it searches that much longer), and the shards are reset after."""
+    me = PeerID(bytes([1]) * 32)
+    members = [me, *(PeerID(bytes([2, i]) + bytes(30)) for i in range(31))]
+
+    def group_of_32(control: StepControl) -> None:
+        result = Result(32)
+        result.group_id = bytes([len(averager.steps)]) * 8  # type: ignore[attr-defined]
+        result.peers = members  # type: ignore[attr-defined]
+        result.weights = [averager.weights[-1]] * 32  # type: ignore[attr-defined]
+        control.set_result(result)  # type: ignore[arg-type]
+
+    averager = Averager([torch.zeros(2)], group_of_32)
+    result, grid = average_on_grid(
+        averager,  # type: ignore[arg-type]
+        Tracker(with_samples=1024, at_epoch=4),  # type: ignore[arg-type]
+        4,
+        1.0,
+        me=me,
+        expected=1024,
+        group_size=32,
+        matchmaking_time=5.0,
+        averaging_timeout=30.0,
+    )
+    assert result is not None and grid.completed == 2 and grid.weight == 1024.0
+    assert averager.shards == [8, 1, 1]  # round 1 sharded, round 2 not, reset after
+    assert averager.targets == [32, 32] and averager.bits[0] == group_bits(4)
+    assert averager.scheduled[0] is None and averager.scheduled[1] is not None
+    # round 2 searches as long again as the pool may take (2 x 5 s + request_timeout 3 s)
+    first, second = averager.timeouts
+    assert second - first == pytest.approx(13.0, abs=0.5)
