@@ -35,6 +35,7 @@ import dataclasses
 import hashlib
 import math
 from collections.abc import Sequence
+from typing import Protocol
 
 from kit.errors import ConfigError
 from kit.p2p.identity import PeerID
@@ -140,6 +141,19 @@ def begin_after_pool(after_pool: float, now: float, timeout: float | None) -> fl
     return now + after_pool
 
 
+class GroupResult(Protocol):
+    """What a grid needs of a round's result (``kit.averaging.async_averager.RoundResult``)."""
+
+    @property
+    def group_id(self) -> bytes: ...
+    @property
+    def peers(self) -> Sequence[PeerID]: ...
+    @property
+    def weights(self) -> Sequence[float]: ...
+    @property
+    def is_full(self) -> bool: ...
+
+
 @dataclasses.dataclass
 class GridAverage:
     """One peer's progress through the rounds of one Moshpit average (mutable, pure).
@@ -189,6 +203,13 @@ class GridAverage:
         """Shard keys of the next round (``shards_for`` its expected peers per key)."""
         expected = math.ceil(peers / self.group_size ** len(self.coordinates))
         return shards_for(expected, self.group_size, self.shard_above)
+
+    def round_ended(self, result: GroupResult | None, me: PeerID) -> None:
+        """After a round: averaged with ``result``'s group, or (None) no group."""
+        if result is None:
+            self.failed(me)
+        else:
+            self.averaged(result.group_id, result.peers, result.weights, me, result.is_full)
 
     def failed(self, me: PeerID) -> None:
         """No group this round: keep the value (and weight); take a coordinate from the id, so

@@ -69,10 +69,7 @@ async def grid_average(
                 weight=grid.weight, timeout=timeout, scheduled_time=scheduled
             )
             results.append(result)
-            if result is None:
-                grid.failed(me)
-            else:
-                grid.averaged(result.group_id, result.peers, result.weights, me, result.is_full)
+            grid.round_ended(result, me)
             if on_round is not None:
                 on_round(index, result)
     finally:

@@ -208,12 +208,9 @@ def average_on_grid(
                 averaging_timeout,
                 scheduled_time=scheduled,
             )
-            if result is None:
-                grid.failed(me)
-            else:
-                grid.averaged(result.group_id, result.peers, result.weights, me, result.is_full)
-                if on_round is not None:
-                    on_round(index, result)
+            grid.round_ended(result, me)
+            if result is not None and on_round is not None:
+                on_round(index, result)
     finally:
         averager.set_shards(1)  # the epoch's other rounds (parameters) use the plain key
     return result, grid
