@@ -44,6 +44,8 @@ out by ``kit.optim.driver``; this module holds the public API and composes the p
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -73,6 +75,7 @@ from kit.optim.state_averaging import (
 from kit.optim.stepping import InnerOptimizer
 from kit.runtime import get_runtime
 
+logger = logging.getLogger(__name__)
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
@@ -100,6 +103,9 @@ class Optimizer(torch.optim.Optimizer):
             epoch, the gradient is averaged on a Moshpit grid of groups of this size (still the
             exact global-batch gradient on a full grid: ``kit.optim.rounds``). None: one group.
         load_state_timeout: the longest a state download from peers may take.
+        shutdown_timeout: how long ``shutdown`` lets a background step (its gradient round
+            with ``delay_grad_averaging``) finish before cancelling the round; raise it if you
+            see "did not finish within shutdown_timeout" and want that last step kept.
         reuse_grad_buffers: accumulate in the parameters' ``.grad`` instead of a separate buffer
             (saves one copy of the model). Never call ``zero_grad`` then: kit clears ``.grad``
             after each global step. Each micro-batch weighs the same (keep their sizes equal).
@@ -183,6 +189,9 @@ class Optimizer(torch.optim.Optimizer):
         self.average_state_every = average_state_every
         self.average_opt_statistics = tuple(average_opt_statistics)
         self.load_state_timeout = load_state_timeout
+        if isinstance(shutdown_timeout, bool) or not 0 <= shutdown_timeout < math.inf:
+            raise ConfigError(f"shutdown_timeout={shutdown_timeout!r} - help: seconds, e.g. 5")
+        self.shutdown_timeout = float(shutdown_timeout)
         self.target_group_size = target_group_size
         # Fixed, or "auto" (kit.averaging.deadlines): updated before every gradient round.
         deadlines = Deadlines.create(matchmaking_time or 15.0, averaging_timeout or 60.0, 0)
@@ -482,14 +491,22 @@ class Optimizer(torch.optim.Optimizer):
         self._driver.act(self._driver.life.checkpoint_loaded(epoch))  # it may not match theirs
 
     def shutdown(self) -> None:
+        """Stop: a background step gets ``shutdown_timeout`` s to land, then its gradient round
+        is cancelled (the averagers stop first, so the step's thread ends at once)."""
         try:
-            self._driver.finish_optimizer_step(wait=None)
+            self._driver.finish_optimizer_step(wait=self.shutdown_timeout)
+            if self._inner.pending:
+                logger.warning(
+                    "the background step did not finish within shutdown_timeout=%.1f s: its "
+                    "averaging round is cancelled",
+                    self.shutdown_timeout,
+                )
         finally:
-            self._inner.shutdown()
-            self._driver.sharing.shutdown()
             if self.grad_averager is not None:
                 self.grad_averager.shutdown()
             self.state_averager.shutdown()
+            self._inner.shutdown()
+            self._driver.sharing.shutdown()
             self._stop_tracker()
 
     def _stop_tracker(self) -> None:

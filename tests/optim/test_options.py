@@ -29,6 +29,7 @@ EPOCHS = 3
 
 
 def make_optimizer(dht: Any, model: torch.nn.Module, target: int, **options: Any) -> kit.Optimizer:
+    options = {"matchmaking_time": 2.0, "averaging_timeout": 30.0, **options}
     return kit.Optimizer(
         dht=dht,
         run_id="options-test",
@@ -36,8 +37,6 @@ def make_optimizer(dht: Any, model: torch.nn.Module, target: int, **options: Any
         optimizer=lambda params: torch.optim.Adam(params, lr=0.01),
         params=model.parameters(),
         scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1.0 / (1 + step)),
-        matchmaking_time=2.0,
-        averaging_timeout=30.0,
         tracker_opts={"min_refresh_period": 0.1, "max_refresh_period": 0.5},
         **options,
     )
@@ -246,7 +245,9 @@ def assert_one_state(
     for other in flat[1:]:
         torch.testing.assert_close(flat[0], other, rtol=1e-6, atol=atol)
     for name in moments:
-        held = [torch.cat([opt.opt.state[p][name].reshape(-1) for p in opt._params]) for opt in opts]
+        held = [
+            torch.cat([opt.opt.state[p][name].reshape(-1) for p in opt._params]) for opt in opts
+        ]
         for other in held[1:]:
             torch.testing.assert_close(held[0], other, rtol=1e-6, atol=1e-12)
 
@@ -387,6 +388,36 @@ def test_reuse_grad_buffers_forbids_zero_grad() -> None:
                 opt.zero_grad()
         finally:
             opt.shutdown()
+
+
+def test_shutdown_gives_a_background_round_shutdown_timeout_then_cancels_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A lone peer's background round waits for others (a 30 s matchmaking time): shutdown
+    waits shutdown_timeout for it, not the round's minute, and says so."""
+    model = make_model()
+    with kit.DHT(host="127.0.0.1", client_mode=False) as dht:
+        with pytest.raises(ConfigError, match="help:"):
+            make_optimizer(dht, model, 4, shutdown_timeout=-1.0)
+        opt = make_optimizer(
+            dht,
+            model,
+            4,
+            matchmaking_time=30.0,
+            averaging_timeout=90.0,
+            delay_grad_averaging=True,
+            shutdown_timeout=0.5,
+        )
+        inputs, targets = micro_batches(0, 0)[0]
+        torch.nn.functional.mse_loss(model(inputs), targets).backward()
+        opt.step(batch_size=4)  # the target: the round (and the step) go to the background
+        assert opt._inner.pending
+        began = time.monotonic()
+        with caplog.at_level("WARNING", logger="kit.optim.optimizer"):
+            opt.shutdown()
+        took = time.monotonic() - began
+    assert took < 15.0, took  # before: the round's whole search, 2 x 30 + 1 s
+    assert "did not finish within shutdown_timeout=0.5 s" in caplog.text
 
 
 def test_amp_scale_is_removed_and_overflow_halves_it() -> None:
