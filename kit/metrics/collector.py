@@ -161,8 +161,7 @@ class MetricsCollector:
     async def _run(self) -> None:
         while True:
             try:
-                if await self.collect():
-                    self._save()
+                self._save(book=await self.collect() > 0)  # the charts move every time
             except KitError as e:  # the DHT recovers; the next period retries
                 logger.debug("fetching metrics records failed: %s", e)
             await asyncio.sleep(self.period)
@@ -182,7 +181,20 @@ class MetricsCollector:
 
     # --- persistence ----------------------------------------------------------------------
 
+    @property
+    def history_path(self) -> Path | None:
+        """Where the charts' series is saved: beside the book (``metrics.json.history``)."""
+        if self.state_path is None:
+            return None
+        return self.state_path.with_name(self.state_path.name + ".history")
+
     def _load(self) -> None:
+        history = self.history_path
+        if history is not None and history.exists():
+            try:
+                self.history.load_json(history.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, MetricsStateError) as e:
+                logger.warning("the charts start afresh: %s", e)  # only the charts are lost
         if self.state_path is None or not self.state_path.exists():
             return
         try:
@@ -203,18 +215,23 @@ class MetricsCollector:
             return
         logger.info("resumed the contribution counts from %s", self.state_path)
 
-    def _save(self) -> None:
-        if self.state_path is None:
+    def _save(self, *, book: bool = True) -> None:
+        """Save the book (unless ``book`` is False) and the charts' series."""
+        if self.state_path is None or self.history_path is None:
             return
-        temporary = self.state_path.with_name(self.state_path.name + ".tmp")
-        try:
-            self.state_path.parent.mkdir(parents=True, exist_ok=True)
-            temporary.write_text(self.book.to_json(), encoding="utf-8")
-            os.replace(temporary, self.state_path)  # atomic: a crash leaves the old or the new
-        except OSError as e:
-            logger.warning(
-                "cannot save the metrics state to %s: %s - help: check free disk space and "
-                "permissions of that folder",
-                self.state_path,
-                e,
-            )
+        saves = [(self.history_path, self.history.to_json())]
+        if book:
+            saves.append((self.state_path, self.book.to_json()))
+        for path, text in saves:
+            temporary = path.with_name(path.name + ".tmp")
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                temporary.write_text(text, encoding="utf-8")
+                os.replace(temporary, path)  # atomic: a crash leaves the old or the new
+            except OSError as e:
+                logger.warning(
+                    "cannot save the metrics state to %s: %s - help: check free disk space and "
+                    "permissions of that folder",
+                    path,
+                    e,
+                )

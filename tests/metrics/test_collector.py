@@ -143,8 +143,11 @@ async def test_collector_credits_token_holders_and_not_a_peer_with_a_copied_toke
                 await made.shutdown()
             await collector.shutdown()
         assert state.exists() and not state.with_name("metrics.json.tmp").exists()
+        charts = collector.history.points()
+        assert charts and any(point["peers"] == 2 for point in charts)
 
-        # a restarted coordinator resumes the counts; a restarted alice adds a new session
+        # a restarted coordinator resumes the counts and the charts; a restarted alice adds a
+        # new session
         resumed = MetricsCollector(
             coordinator,
             RUN,
@@ -153,6 +156,7 @@ async def test_collector_credits_token_holders_and_not_a_peer_with_a_copied_toke
             period=PERIOD,
         )
         assert board(resumed) == [("alice", 192, True), ("bob", 96, True)]
+        assert resumed.history.points() == charts
         resumed.start()
         again = reporter(alice_node, token_for(alice_node, "alice"))
         try:
