@@ -4,8 +4,8 @@ Read in this order: ``values`` (what may be stored) → ``storage`` (expiring re
 ``routing`` (ids, k-buckets, pure) → ``validation`` (owner signatures, schemas, pure) →
 ``protocol`` (RPC messages, pure) → ``lookup`` (lookup bookkeeping, pure) → ``config`` (node
 settings, the DHT clock) → ``network`` (requests, lookups, routing-table upkeep) and ``serving``
-(answers) → ``node`` (the async node) → ``dht`` (the blocking facade for user code) → ``cli``
-(``kit dht``).
+(answers) → ``bootstrap`` (joining) and ``publishing`` (own records) → ``node`` (the async node)
+→ ``dht`` (the blocking facade for user code) → ``cli`` (``kit dht``).
 """
 
 from kit.dht.config import DHTConfig, get_dht_time

@@ -2,8 +2,10 @@
 
 :class:`DHTNode` drives the pure cores (``routing``, ``storage``, ``validation``, ``protocol``)
 with I/O, composed of its :class:`~kit.dht.network.DHTNetwork` (requests, lookups and the
-routing table they keep true) and its :class:`~kit.dht.serving.RecordServer` (answers to other
-nodes); its settings are :class:`~kit.dht.config.DHTConfig`. It owns its background tasks
+routing table they keep true), its :class:`~kit.dht.bootstrap.InitialPeers` (joining the swarm),
+its :class:`~kit.dht.publishing.Publisher` (its own records, stored on the nearest nodes) and its
+:class:`~kit.dht.serving.RecordServer` (answers to other nodes); its settings are
+:class:`~kit.dht.config.DHTConfig`. It owns its background tasks
 (bucket refresh, republishing its own records, pings of least-recently-seen contacts, record
 transfers to newcomers) and cancels them on :meth:`DHTNode.shutdown`. Use it from coroutines on
 kit's runtime loop; user code uses the sync facade ``kit.dht.DHT``.
@@ -22,7 +24,8 @@ Kademlia (Maymounkov & Mazières 2002) as hivemind runs it:
   routing tables, and hold no records for others.
 
 What this module does not do: threads, blocking calls (``dht``), message formats (``protocol``),
-sending requests (``network``), answering them (``serving``).
+sending requests (``network``), joining (``bootstrap``), storing records on other nodes
+(``publishing``), answering requests (``serving``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import time
 from collections.abc import Coroutine, Iterable, Sequence
 from typing import Any
 
+from kit.dht.bootstrap import InitialPeers
 from kit.dht.config import (
     DHTConfig,
     get_dht_time,
@@ -51,17 +55,14 @@ from kit.dht.lookup import (
 from kit.dht.network import DHTNetwork
 from kit.dht.protocol import (
     MAX_ADDRESSES,
-    PING,
     NodeInfo,
-    PingRequest,
-    PingResponse,
 )
+from kit.dht.publishing import Publisher
 from kit.dht.routing import DHTID, Contact
 from kit.dht.serving import RecordServer
 from kit.dht.storage import (
     DHTStorage,
     StoredEntry,
-    StoreStatus,
     ValueWithExpiration,
 )
 from kit.dht.validation import (
@@ -78,7 +79,6 @@ from kit.dht.values import (
     pack_value,
 )
 from kit.errors import (
-    BootstrapFailed,
     ConfigError,
     DHTNotRunning,
     KitTimeout,
@@ -103,6 +103,7 @@ class DHTNode:
         client_mode: True if it only queries (serves nothing, stores nothing for others).
         routing_table, storage, cache, blacklist: the pure state, readable for diagnostics.
         network, server: its requests to other nodes and its answers to them.
+        initial_peers, publisher: how it joined (and rejoins), and its own records.
     """
 
     def __init__(
@@ -124,12 +125,6 @@ class DHTNode:
         )
         self.cache = DHTStorage(config.cache_size, config.max_subkeys, config.max_dictionary_bytes)
         self._incarnation = random.getrandbits(62)
-        self._own_records: dict[tuple[bytes, bytes | None], DHTRecord] = {}
-        self._initial_peers: tuple[str, ...] = ()
-        self._initial_contacts: dict[PeerID, Contact] = {}  # those that answered a join
-        self._initial_ids: dict[
-            str, DHTID
-        ] = {}  # initial peer address -> its node id, once reached
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loops: list[asyncio.Task[Any]] = []
         self._rng = random.Random()
@@ -148,6 +143,17 @@ class DHTNode:
             info=self._info,
         )
         self.routing_table, self.blacklist = self.network.routing_table, self.network.blacklist
+        self.initial_peers = InitialPeers(
+            peer, self.network, config, clock=self._clock, rng=self._rng, info=self._info
+        )
+        self.publisher = Publisher(
+            self.network,
+            self.storage,
+            self.cache,
+            config,
+            lookup=self.initial_peers.lookup,
+            clock=self._clock,
+        )
         self.server = RecordServer(
             self.storage,
             self.cache,
@@ -214,7 +220,7 @@ class DHTNode:
             loop.create_task(node._refresh_loop(), name=f"dht-refresh-{node.peer_id.short()}"),
             loop.create_task(node._republish_loop(), name=f"dht-republish-{node.peer_id.short()}"),
         ]
-        if node.config.rejoin_period > 0 and node._initial_peers:
+        if node.config.rejoin_period > 0 and node.initial_peers.addresses:
             node._loops.append(
                 loop.create_task(node._rejoin_loop(), name=f"dht-rejoin-{node.peer_id.short()}")
             )
@@ -241,84 +247,7 @@ class DHTNode:
             ValueError: an address is malformed (ConfigError, kit.address.AddressError).
         """
         self._check_running()
-        self._initial_peers = tuple(initial_peers)
-        own = set(self.peer.get_visible_addresses())
-        others = [address for address in self._initial_peers if address not in own]
-        if not others:
-            return 0  # the first node of a swarm (maybe given the swarm's shared list)
-        outcomes = await asyncio.gather(
-            *(self._join(address) for address in others), return_exceptions=True
-        )
-        for outcome in outcomes:
-            fatal = not isinstance(outcome, Exception) or isinstance(outcome, ValueError)
-            if isinstance(outcome, BaseException) and fatal:
-                raise outcome  # a malformed address (the user's to fix) or a cancellation
-        answered = sum(outcome is True for outcome in outcomes)
-        if answered == 0 and len(self.routing_table) == 0:
-            problems = "; ".join(str(o) for o in outcomes if isinstance(o, Exception))
-            raise BootstrapFailed(
-                f"failed to connect to bootstrap peers: none of the {len(others)} initial peers "
-                f"answered ({problems}) - help: check "
-                "the addresses (copy them from get_visible_maddrs() of a running public peer; "
-                "client-mode peers serve no DHT requests), that it runs and its port is open"
-            )
-        deadline = self._clock() + self.config.bootstrap_timeout
-        await self.network.lookup(self.node_id, self.config.bucket_size, None, deadline)
-        await self._fill_empty_buckets(deadline)
-        logger.info(
-            "DHT node %s joined: %d contacts", self.peer_id.short(), len(self.routing_table)
-        )
-        return answered
-
-    async def _fill_empty_buckets(self, deadline: float) -> None:
-        """Kademlia §2.3's last join step ("u refreshes all k-buckets further away than its
-        closest neighbor"), for the buckets the lookup of our own id left empty."""
-        empty = [b for b in self.routing_table.buckets if not b.nodes]
-        targets = [b.random_id(self._rng) for b in empty if not b.covers(self.node_id)]
-        await asyncio.gather(
-            *(self._lookup(t, self.config.beam_size, None, deadline) for t in targets)
-        )
-
-    async def _lookup(
-        self, key_id: DHTID, beam: int, search: ValueSearch | None, deadline: float
-    ) -> Lookup:
-        """A lookup that starts from what the initial peers know when we know nobody near the
-        target (its bucket is empty).
-
-        A node that joined through one initial peer learns its own half of the id space (the
-        initial peer answers with the nodes nearest the newcomer), and nodes that joined
-        before the other half filled never hear of it: after 256 nodes joined one by one, 105
-        knew nobody in the other half. Their lookups of a key there converged on the nodes of
-        their own half nearest to it, so the nodes that stored a matchmaking key and those
-        that polled it split into two swarms that never saw each other (1 run in 8 of 256
-        peers). The initial peers (every newcomer contacted them) know both halves."""
-        seeds: list[Contact] = []
-        entries = list(self._initial_contacts.values())
-        if entries and not self.routing_table.bucket_for(key_id).nodes:
-            answers = await asyncio.gather(
-                *(self.network.find(contact, key_id, False) for contact in entries)
-            )
-            seeds = [c for answer in answers if answer is not None for c in answer.nearest]
-        return await self.network.lookup(key_id, beam, search, deadline, seeds)
-
-    async def _join(self, address: str, *, quiet: bool = False) -> bool:
-        timeout = self.config.rpc_timeout
-        log = logger.debug if quiet else logger.warning
-        try:
-            peer_id = await self.peer.connect(address, timeout=timeout)
-        except (PeerError, KitTimeout) as e:
-            log("initial peer %s did not answer: %s", address, e)
-            raise
-        if peer_id == self.peer_id:
-            return False  # our own address in a shared initial_peers list
-        failures: list[BaseException] = []
-        contact = Contact(peer_id, (address,))
-        await self.network.request(contact, PING, PingRequest(self._info()), PingResponse, failures)
-        if failures:
-            log("initial peer %s did not answer: %s", address, failures[0])
-            raise failures[0]
-        self._initial_contacts[peer_id] = contact
-        return True
+        return await self.initial_peers.bootstrap(initial_peers)
 
     # --- store and get ----------------------------------------------------------------------
 
@@ -345,10 +274,7 @@ class DHTNode:
         check_record(record, self.validator, limits, now)
         if expiration < now:
             return False
-        held = self._own_records.get((key_bytes, subkey_bytes))
-        if held is None or held.expiration_time <= expiration:
-            self._own_records[(key_bytes, subkey_bytes)] = record
-        return await self._publish(record)
+        return await self.publisher.store(record)
 
     async def get(
         self, key: Any, latest: bool = False, *, replicas: int | None = None
@@ -389,7 +315,9 @@ class DHTNode:
             await self._read_replicas(key_id, search, replicas)
         elif not search.done(now):
             deadline = self._clock() + self.config.lookup_timeout
-            lookup = await self._lookup(key_id, self.config.beam_size, search, deadline)
+            lookup = await self.initial_peers.lookup(
+                key_id, self.config.beam_size, search, deadline
+            )
             now = get_dht_time()
             entry = search.entry(now)
             if entry is not None:
@@ -405,7 +333,7 @@ class DHTNode:
             nearest = held[1]
         else:
             deadline = self._clock() + self.config.lookup_timeout
-            lookup = await self._lookup(key_id, self.config.beam_size, None, deadline)
+            lookup = await self.initial_peers.lookup(key_id, self.config.beam_size, None, deadline)
             nearest = lookup.nearest_responded(self.config.num_replicas)
             if len(self._replicas) >= MAX_REUSED_REPLICA_SETS:
                 self._replicas.pop(next(iter(self._replicas)))  # the oldest
@@ -434,7 +362,7 @@ class DHTNode:
         key_id = DHTID.from_key_bytes(pack_key(key, self.config.limits))
         deadline = self._clock() + self.config.lookup_timeout
         beam = max(self.config.beam_size, k or 0)
-        lookup = await self._lookup(key_id, beam, None, deadline)
+        lookup = await self.initial_peers.lookup(key_id, beam, None, deadline)
         return [contact for _, contact in lookup.nearest_responded(k or self.config.num_replicas)]
 
     async def republish(self) -> int:
@@ -444,47 +372,7 @@ class DHTNode:
             How many records at least one node accepted.
         """
         self._check_running()
-        now = get_dht_time()
-        for identifier, record in list(self._own_records.items()):
-            if record.expiration_time < now:
-                del self._own_records[identifier]
-        semaphore = asyncio.Semaphore(8)
-
-        async def publish(record: DHTRecord) -> bool:
-            async with semaphore:
-                return await self._publish(record)
-
-        outcomes = await asyncio.gather(*(publish(r) for r in list(self._own_records.values())))
-        return sum(outcomes)
-
-    async def _publish(self, record: DHTRecord) -> bool:
-        key_id = DHTID.from_key_bytes(record.key)
-        deadline = self._clock() + self.config.lookup_timeout
-        lookup = await self._lookup(key_id, self.config.beam_size, None, deadline)
-        replicas = self.config.num_replicas
-        targets = lookup.nearest_responded(replicas)
-        here = not self.client_mode and (
-            len(targets) < replicas or self.node_id ^ key_id < targets[-1][0] ^ key_id
-        )
-        if here:
-            targets = targets[: replicas - 1]
-        outcomes = await asyncio.gather(
-            *(self.network.store_at(contact, [record]) for _, contact in targets)
-        )
-        now = get_dht_time()
-        stored = any(result is not None and result[0] is StoreStatus.STORED for result in outcomes)
-        if here:
-            stored |= store_record(self.storage, key_id, record, now) is StoreStatus.STORED
-        if self.config.cache_on_store:
-            self._cache_on_store(key_id, record, stored, now)
-        return stored
-
-    def _cache_on_store(self, key_id: DHTID, record: DHTRecord, stored: bool, now: float) -> None:
-        """Keep the cache consistent with a store (hivemind's ``_update_cache_on_store``)."""
-        if not stored:
-            self.cache.remove(key_id)  # others hold something newer: our cached copy is stale
-        elif record.subkey is None or key_id in self.cache:
-            store_record(self.cache, key_id, record, now)
+        return await self.publisher.republish()
 
     def _cache_found(
         self, entry: StoredEntry, lookup: Lookup, search: ValueSearch, now: float
@@ -512,8 +400,8 @@ class DHTNode:
                 now = get_dht_time()
                 self.storage.remove_expired(now)
                 self.cache.remove_expired(now)
-                if len(self.routing_table) == 0 and self._initial_peers:
-                    await self.bootstrap(self._initial_peers)
+                if len(self.routing_table) == 0 and self.initial_peers.addresses:
+                    await self.bootstrap(self.initial_peers.addresses)
                     await self.republish()
                 period = self.config.refresh_period
                 for bucket in self.routing_table.stale_buckets(self._clock(), period):
@@ -525,21 +413,10 @@ class DHTNode:
                 logger.warning("DHT refresh of %s failed: %s", self.peer_id.short(), e)
 
     async def _rejoin_loop(self) -> None:
-        """Ping the initial peers now and then, so that a restarted one is found again.
-
-        Initial peers are the run's bootstrap peers (a coordinator): when one restarts, it comes
-        back knowing nobody, and nobody would look for it until their buckets go stale (Kademlia
-        refreshes hourly). A ping puts both sides back in each other's tables, and its new
-        incarnation makes us hand it the records it should hold (Kademlia §2.5).
-        """
+        """Ping the initial peers now and then, so that a restarted one is found again."""
         while True:
             await asyncio.sleep(self.config.rejoin_period)
-            own = set(self.peer.get_visible_addresses())
-            for address in [a for a in self._initial_peers if a not in own]:
-                try:
-                    await self._join(address, quiet=True)
-                except (PeerError, KitTimeout, ValueError) as e:
-                    logger.debug("initial peer %s unreachable: %s", address, e)
+            await self.initial_peers.rejoin()
 
     async def _republish_loop(self) -> None:
         while True:
