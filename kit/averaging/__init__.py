@@ -6,7 +6,8 @@ Pure cores (no networking, no clocks), in dependency order:
     balancing.py           which share of the vector each peer aggregates (DeDLOC's LP)
     partition.py           tensors -> parts -> chunks, the aggregator's reducer, the round report
     declarations.py        what matchmaking peers tell each other; the state machine's actions
-    matchmaking.py         who averages with whom: the group-assembly state machine (chunks)
+    chunking.py            ranks and chunks of looking peers, whom each one asks to lead
+    matchmaking.py         who averages with whom: the group-assembly state machine
     group.py               the assembled group and the join messages, as they travel
     control.py             one step's stage, trigger and result (hivemind's ``StepControl``)
     averages.py            what an aggregator sends back: the average, or each sender's delta

@@ -25,8 +25,8 @@ from kit.averaging.allreduce import AllReduceRunner, AveragingMode, Timeouts, ca
 from kit.averaging.chunk_stream import RoundBuffers
 from kit.averaging.compression import DTYPE_NAMES, TensorDescriptor
 from kit.averaging.control import AveragingStage, StepControl
+from kit.averaging.declarations import MemberInfo
 from kit.averaging.group import MAX_GROUP_SIZE, GroupInfo, schema_hash
-from kit.averaging.matchmaking import MemberInfo
 from kit.averaging.matchmaking_driver import AveragingRouter, MatchmakingDriver
 from kit.averaging.partition import PartitionPlan, RoundReport
 from kit.averaging.settings import AveragerSettings, check_tensors, chunk_elements

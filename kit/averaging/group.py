@@ -21,7 +21,7 @@ import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kit.averaging.matchmaking import (
+from kit.averaging.declarations import (
     MAX_GONE,
     Declaration,
     MemberInfo,

@@ -10,20 +10,10 @@ How groups form (hivemind's leader/follower protocol, with deterministic chunks 
 
 * Every looking peer declares itself under ``{prefix}.0b{bits}`` in the DHT with its
   *expiration*: the time it will begin a round at the latest (now + min_matchmaking_time).
-  Peers are ranked by ``(expiration, peer id)``: whoever became ready first comes first.
-  Client-mode peers declare too (with no address): they count, but cannot lead.
-* Each peer cuts the ranked list it sees into consecutive *chunks* of ``target_group_size``
-  (one chunk if it is None). The first peer of a chunk that can lead is its leader; the others
-  ask it to join. So 1,000 peers do not all ask the one best leader (hivemind's scheme: with
-  N peers and groups of G, O(N^2 / G) refused requests, and at 128 peers most of them failed):
-  they split into N / G groups at once, every group full but the last.
-* Because peers are ranked by when they became ready, a latecomer only appends to the list:
-  chunks already cut stay as they were. Views of the DHT differ for a moment after a burst of
-  arrivals, so nothing relies on them being exact: a leader accepts whoever asks until it has
-  ``target_group_size`` members (then it begins at once) or its expiration passes with at least
-  ``min_group_size``; a peer refused as ``full`` tries the leader of the next chunk (an earlier
-  peer that saw too short a list took its place); a chunk's leader that is gone or follows
-  someone else is skipped for the next peer of its chunk that can lead.
+* Each peer ranks the declarations it sees and cuts them into chunks of ``target_group_size``;
+  it asks its chunk's leader, or leads (``kit.averaging.chunking``: ranks, chunks, leaders).
+* A leader accepts whoever asks until it has ``target_group_size`` members (then it begins at
+  once) or its expiration passes with at least ``min_group_size``.
 * A leader that discovers a better leader of its own chunk disbands its followers (pointing
   them to it) and joins it.
 * A peer whose chunk gathered nobody by its expiration asks any other leader, nearest chunks
@@ -48,9 +38,14 @@ import logging
 import math
 from collections.abc import Iterable
 
+from kit.averaging.chunking import (
+    chunk_leader,
+    chunk_target,
+    ranked_chunks,
+    standing_refusal,
+    unreachable,
+)
 from kit.averaging.declarations import (
-    MAX_ADDRESS_LENGTH,
-    MAX_ADDRESSES,
     MAX_GONE,
     Action,
     AskLeader,
@@ -62,32 +57,9 @@ from kit.averaging.declarations import (
     Pool,
     Refusal,
     Release,
-    parse_addresses,
 )
 from kit.errors import LocalProtocolError
 from kit.p2p.identity import PeerID
-
-__all__ = [  # the data types live in kit.averaging.declarations; importable from here too
-    "MAX_ADDRESS_LENGTH",
-    "MAX_ADDRESSES",
-    "MAX_GONE",
-    "Action",
-    "AskLeader",
-    "Begin",
-    "Declaration",
-    "Invite",
-    "Matchmaker",
-    "MatchmakingSettings",
-    "MemberInfo",
-    "Phase",
-    "Pool",
-    "Refusal",
-    "Release",
-    "Trigger",
-    "TRANSITIONS",
-    "FINAL_PHASES",
-    "parse_addresses",
-]
 
 logger = logging.getLogger(__name__)
 
@@ -145,8 +117,6 @@ TRANSITIONS: dict[Phase, dict[Trigger, Phase]] = {
     Phase.FAILED: {},
 }
 FINAL_PHASES = (Phase.ASSEMBLED, Phase.FAILED)
-# Worth asking again after a while: it may lead by then.
-TRANSIENT_REFUSALS = frozenset({"following", "joining", "released", "duplicate"})
 
 
 class Matchmaker:
@@ -214,74 +184,28 @@ class Matchmaker:
     # --- choosing a leader ------------------------------------------------------------------
 
     def _chunks(self) -> tuple[list[list[Declaration]], int]:
-        """The ranked view (this peer included) cut into chunks, and this peer's chunk index.
-
-        Peers found unreachable are left out: a crashed peer's declaration stays in the DHT
-        until it expires, and would hold a place in a chunk that nobody fills."""
-        gone = [p for p, (_, reason) in self.refused.items() if reason == "unreachable"]
-        alive = [d for d in self.view.values() if d.peer_id not in gone]
-        ranked = sorted([*alive, self.declaration], key=lambda d: d.rank)
-        size = self.settings.target_group_size or len(ranked)
-        chunks = [ranked[i : i + size] for i in range(0, len(ranked), size)]
-        position = next(i for i, d in enumerate(ranked) if d.peer_id == self.me.peer_id)
-        return chunks, position // size
+        """This search's view cut into chunks (see ``kit.averaging.chunking``), and our index."""
+        gone = unreachable(self.refused)
+        size = self.settings.target_group_size
+        return ranked_chunks(self.view.values(), self.declaration, gone, size)
 
     def _refusal(self, now: float, peer_id: PeerID) -> str | None:
-        """Why ``peer_id`` refused us (None: ask it). A peer that follows another may lead later
-        (its leader may release it): asked again after request_timeout. Any other refusal (full,
-        gone, not looking, went away) holds for the rest of this search."""
+        """Why ``peer_id`` refused us, if that still holds (None: ask it)."""
         refused = self.refused.get(peer_id)
-        if refused is None:
-            return None
-        retry = self.settings.request_timeout / (4 if refused[1] == "joining" else 1)
-        if refused[1] in TRANSIENT_REFUSALS and now - refused[0] >= retry:
-            return None
-        return refused[1]
-
-    def _chunk_leader(
-        self, now: float, chunk: list[Declaration], may_lead: bool
-    ) -> Declaration | None:
-        """The leader of ``chunk`` to ask (this peer itself if ``may_lead``), or None.
-
-        Its first peer that can lead; if that one refused us because it follows someone else,
-        is no longer looking (its group began; or it was not our chunk's leader after all) or
-        could not be reached, the next one. A chunk whose leader is ``full`` has formed its
-        group without us: None. A leader that was itself asking someone a moment ago is asked
-        again soon, never walked past (whoever walks past it would lead the same chunk a
-        second time): None meanwhile.
-        """
-        for declaration in chunk:
-            if declaration.peer_id == self.me.peer_id:
-                if self.can_lead and may_lead:
-                    return declaration
-                continue
-            if not declaration.can_lead:
-                continue
-            reason = self._refusal(now, declaration.peer_id)
-            if reason is None:
-                return declaration
-            if reason in ("full", "joining"):
-                return None
-        return None
+        return standing_refusal(refused, now, self.settings.request_timeout)
 
     def _target(self, now: float, anywhere: bool) -> Declaration | None:
-        """Whom to ask: the leader of this peer's chunk, else of the next chunks; ``anywhere``
-        (nobody came to this peer in time) also the chunks before it, nearest first.
-        None: lead (or wait)."""
+        """Whom to ask (see ``chunking.chunk_target``); None: lead (or wait)."""
         chunks, mine = self._chunks()
-        order = list(range(mine, len(chunks)))
-        # A chunk too small to begin a round (the remainder) looks in the others at once.
-        anywhere = anywhere or len(chunks[mine]) < self.settings.min_group_size
-        if anywhere or not self.can_lead:
-            order += list(range(mine - 1, -1, -1))
-        for index in order:
-            leader = self._chunk_leader(now, chunks[index], may_lead=not anywhere)
-            if leader is None:
-                continue
-            if leader.peer_id == self.me.peer_id:
-                return None  # this peer leads its chunk: wait for the others
-            return leader
-        return None
+        return chunk_target(
+            chunks,
+            mine,
+            self.me.peer_id,
+            can_lead=self.can_lead,
+            anywhere=anywhere,
+            min_group_size=self.settings.min_group_size,
+            refusal=lambda peer_id: self._refusal(now, peer_id),
+        )
 
     def _ask(self, target: Declaration) -> list[Action]:
         actions: list[Action] = []
@@ -351,7 +275,9 @@ class Matchmaker:
             # The shard's last chunk: more peers may append to it until they all had their
             # matchmaking time; then it goes to the pool as a whole.
             return self._pool(now) if given_up else []
-        leader = self._chunk_leader(now, chunk, may_lead=True)
+        leader = chunk_leader(
+            chunk, self.me.peer_id, self.can_lead, lambda peer_id: self._refusal(now, peer_id)
+        )
         if leader is None:  # formed without us (full), or its leader is asking: wait a little
             full = any(self._refusal(now, d.peer_id) == "full" for d in chunk)
             return self._pool(now) if full or given_up else []
@@ -386,7 +312,7 @@ class Matchmaker:
         """This peer leads its chunk, and knows peers ahead that are gone (crashed, their
         declarations not expired yet): its chunk-mates who do not know it count themselves in
         the next chunk. Tell them, once each."""
-        gone = tuple(p for p, (_, reason) in self.refused.items() if reason == "unreachable")
+        gone = unreachable(self.refused)
         if not gone or self.first_view == math.inf:
             return []
         chunks, mine = self._chunks()

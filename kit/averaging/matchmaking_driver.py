@@ -26,6 +26,18 @@ from typing import Any, Protocol
 from kit.averaging.allreduce import cancel_and_wait
 from kit.averaging.balancing import load_balance_peers, preload_solver
 from kit.averaging.chunk_stream import PROTOCOL as ALLREDUCE_PROTOCOL
+from kit.averaging.declarations import (
+    Action,
+    AskLeader,
+    Begin,
+    Declaration,
+    Invite,
+    MatchmakingSettings,
+    MemberInfo,
+    Pool,
+    Refusal,
+    Release,
+)
 from kit.averaging.grid import (
     coordinate,
     coordinate_bits,
@@ -46,21 +58,7 @@ from kit.averaging.group import (
     encode_join_request,
     encode_release,
 )
-from kit.averaging.matchmaking import (
-    FINAL_PHASES,
-    Action,
-    AskLeader,
-    Begin,
-    Declaration,
-    Invite,
-    Matchmaker,
-    MatchmakingSettings,
-    MemberInfo,
-    Phase,
-    Pool,
-    Refusal,
-    Release,
-)
+from kit.averaging.matchmaking import FINAL_PHASES, Matchmaker, Phase
 from kit.dht.node import DHTNode, get_dht_time
 from kit.errors import KitError, KitTimeout, PeerError, RemoteProtocolError
 from kit.p2p import wire

@@ -19,7 +19,7 @@ from kit.averaging.compression import (
     NoCompression,
     TensorDescriptor,
 )
-from kit.averaging.matchmaking import MatchmakingSettings
+from kit.averaging.declarations import MatchmakingSettings
 from kit.averaging.partition import DEFAULT_PART_SIZE_BYTES
 from kit.averaging.robust import Aggregation
 from kit.errors import ConfigError

@@ -31,8 +31,8 @@ from kit.averaging.compression import (
     TensorDescriptor,
     Uniform8BitQuantization,
 )
+from kit.averaging.declarations import MemberInfo
 from kit.averaging.group import GroupInfo
-from kit.averaging.matchmaking import MemberInfo
 from kit.averaging.partition import PartitionPlan, RoundReport
 from kit.errors import GroupMismatch
 from kit.p2p import wire

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
+from kit.averaging.declarations import Declaration, MemberInfo, Refusal
 from kit.averaging.group import (
     GroupInfo,
     decode_join_request,
@@ -15,7 +16,6 @@ from kit.averaging.group import (
     encode_release,
     schema_hash,
 )
-from kit.averaging.matchmaking import Declaration, MemberInfo, Refusal
 from kit.errors import GroupMismatch, MalformedFrame
 from kit.p2p.identity import PeerID
 

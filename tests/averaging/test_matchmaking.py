@@ -12,23 +12,19 @@ from collections.abc import Iterable
 
 import pytest
 
-from kit.averaging.matchmaking import (
-    FINAL_PHASES,
-    TRANSITIONS,
+from kit.averaging.declarations import (
     Action,
     AskLeader,
     Begin,
     Declaration,
     Invite,
-    Matchmaker,
     MatchmakingSettings,
     MemberInfo,
-    Phase,
     Pool,
     Refusal,
     Release,
-    Trigger,
 )
+from kit.averaging.matchmaking import FINAL_PHASES, TRANSITIONS, Matchmaker, Phase, Trigger
 from kit.errors import ConfigError, LocalProtocolError
 from kit.p2p.identity import PeerID
 
