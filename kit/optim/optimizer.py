@@ -39,7 +39,8 @@ has one gradient averager) and ``load_state_compression`` (refused unless None/N
 state is verified by its digest).
 
 Where it lives: the decisions above are the epoch machine's (``kit.optim.epochs``, pure), carried
-out by ``kit.optim.driver``; this module holds the public API and composes the parts.
+out by ``kit.optim.driver``; the tracker and the averagers are started by ``kit.optim.collaboration``; this module holds
+the public API and composes the parts.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from typing import Any
 import torch
 
 from kit.averaging.averager import DecentralizedAverager, RoundResult
-from kit.averaging.compression import CompressionBase, NoCompression
+from kit.averaging.compression import CompressionBase
 from kit.averaging.control import StepControl
 from kit.averaging.deadlines import Deadlines
 from kit.errors import (
@@ -61,10 +62,15 @@ from kit.errors import (
 )
 from kit.optim.accumulation import GradientAccumulator
 from kit.optim.arguments import resolve_defaults, validate
+from kit.optim.collaboration import (
+    averaging_options,
+    build_averagers,
+    start_tracker,
+    stop_tracker,
+)
 from kit.optim.driver import EpochDriver
 from kit.optim.epochs import EpochLife
 from kit.optim.progress import GlobalProgress, ProgressTracker
-from kit.optim.rounds import GradientRounds
 from kit.optim.sharing import StateSharing, start_download
 from kit.optim.state import StateServer
 from kit.optim.state_averaging import (
@@ -209,21 +215,16 @@ class Optimizer(torch.optim.Optimizer):
         identity = dht.node.peer.identity
         life = EpochLife(prefetching=prefetch is not None)  # the epochs (kit.optim.epochs)
 
-        async def track(_: Any, node: Any) -> ProgressTracker:
-            options: dict[str, Any] = {
-                "identity": identity,
-                "client_mode": client,
-                "auxiliary": auxiliary,
-                "performance_ema_alpha": performance_ema_alpha,
-                "measure_reports": False,  # step() measures: several reports come per step
-                **(tracker_opts or {}),  # the user's options win over kit's defaults
-            }
-            tracker = ProgressTracker(node, run_id, target_batch_size, **options)
-            tracker.set_drifted(life.drifted)
-            tracker.start()
-            return tracker
-
-        self.tracker = dht.run_coroutine(track)
+        self.tracker = start_tracker(
+            dht,
+            run_id,
+            target_batch_size,
+            client_mode=client,
+            auxiliary=auxiliary,
+            performance_ema_alpha=performance_ema_alpha,
+            tracker_opts=tracker_opts,
+            drifted=life.drifted,
+        )
         try:
             self._inner = InnerOptimizer(optimizer, params, copies=offload, delay=delay_step)
             self.opt = self._inner.opt
@@ -250,50 +251,30 @@ class Optimizer(torch.optim.Optimizer):
                 buffered=not (use_local_updates or auxiliary),
             )
             state_buffers = [torch.zeros(t.shape, dtype=torch.float32) for t in averaged.current()]
-            averaging: dict[str, Any] = {
-                "min_matchmaking_time": self._matchmaking_time,
-                "request_timeout": min(3.0, self._matchmaking_time),
-                "allreduce_timeout": allreduce_timeout or self._averaging_timeout,
-                "next_chunk_timeout": next_chunk_timeout,
-                "client_mode": client,
-                "auxiliary": auxiliary,
-                # kit's optimizer shares its state itself (optim/state.py: several donors, digest)
-                "allow_state_sharing": False,
-                **(averager_opts or {}),  # the user's options win over kit's defaults
-            }
-            # With local updates parameters are averaged, never gradients: no gradient averager
-            # (hivemind's grad_averager is None then too).
-            self.grad_averager: DecentralizedAverager | None = None
-            rounds = None
-            if not use_local_updates:
-                self.grad_averager = grads = DecentralizedAverager(
-                    [torch.zeros(p.shape, dtype=torch.float32) for p in self._params],
-                    dht,
-                    prefix=f"{run_id}_grad_averager",
-                    compression=grad_compression or NoCompression(),
-                    # gradients of different batches: one shared average has the smaller error
-                    # with a lossy codec, and every member steps with the same bytes (averages.py)
-                    **{"lossy_deltas": False, **averaging},
-                )
-                # Bit-identical averaged gradients on every member (state_averaging.py): an exact
-                # codec, or one shared lossy average that every member decodes alike.
-                exact = not grads.settings.lossy_deltas or grad_compression is None
-                exact = exact or isinstance(grad_compression, NoCompression)
-                rounds = GradientRounds(
-                    grads,
-                    self.tracker,
-                    deadlines=deadlines,
-                    target_group_size=target_group_size,
-                    me=dht.peer_id,
-                    exact_gradients=exact,
-                )
-            self.state_averager = DecentralizedAverager(
-                state_buffers,
+            averagers = build_averagers(
                 dht,
-                prefix=f"{run_id}_state_averager",
-                compression=state_averaging_compression or NoCompression(),
-                **averaging,
+                run_id,
+                self._params,
+                state_buffers,
+                tracker=self.tracker,
+                deadlines=deadlines,
+                use_local_updates=use_local_updates,
+                target_group_size=target_group_size,
+                grad_compression=grad_compression,
+                state_averaging_compression=state_averaging_compression,
+                averaging=averaging_options(
+                    matchmaking_time=self._matchmaking_time,
+                    averaging_timeout=self._averaging_timeout,
+                    allreduce_timeout=allreduce_timeout,
+                    next_chunk_timeout=next_chunk_timeout,
+                    client_mode=client,
+                    auxiliary=auxiliary,
+                    averager_opts=averager_opts,
+                ),
             )
+            self.grad_averager: DecentralizedAverager | None = averagers.grads
+            self.state_averager = averagers.state
+            rounds = averagers.rounds
 
             async def serve(_: Any, node: Any) -> StateServer:
                 return StateServer(node.peer, node, run_id, identity)
@@ -327,7 +308,7 @@ class Optimizer(torch.optim.Optimizer):
         except BaseException:  # undo what was started (a bad optimizer factory, bad options)
             if prefetch is not None:
                 prefetch.cancel()
-            self._stop_tracker()
+            stop_tracker(self.dht, self.tracker)
             raise
 
     # The inner optimizer's current groups and state (its load_state_dict replaces them).
@@ -507,11 +488,4 @@ class Optimizer(torch.optim.Optimizer):
             self.state_averager.shutdown()
             self._inner.shutdown()
             self._driver.sharing.shutdown()
-            self._stop_tracker()
-
-    def _stop_tracker(self) -> None:
-        async def stop(_: Any, node: Any) -> None:
-            await self.tracker.shutdown()
-
-        if self.dht.is_alive():
-            self.dht.run_coroutine(stop)
+            stop_tracker(self.dht, self.tracker)
