@@ -7,6 +7,7 @@ explicit). It does not hold the optimizer (``kit.optim.optimizer``).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -118,3 +119,6 @@ def validate(arguments: dict[str, Any]) -> None:
         raise ConfigError(
             "run_id must be a non-empty string - help: the run's name, e.g. 'sahajbert'"
         )
+    timeout = arguments["shutdown_timeout"]
+    if isinstance(timeout, bool) or not 0 <= timeout < math.inf:
+        raise ConfigError(f"shutdown_timeout={timeout!r} - help: seconds, e.g. 5")

@@ -1,8 +1,9 @@
-"""What ``kit.Optimizer`` starts to train with its collaboration: the progress tracker and the
-two averagers (gradients, state), built from its arguments.
+"""What ``kit.Optimizer`` starts to train with its collaboration: the progress tracker, the state
+server and the two averagers (gradients, state), built from its arguments.
 
 Holds :func:`start_tracker` / :func:`stop_tracker` (the :class:`~kit.optim.progress.ProgressTracker`
 on the DHT's loop, with kit's options overridden by the user's ``tracker_opts``),
+:func:`start_state_server` (what late joiners download from, ``kit.optim.state``),
 :func:`averaging_options` (the keyword arguments both ``DecentralizedAverager`` get, overridden
 by ``averager_opts``) and :func:`build_averagers` (the gradient averager with its
 :class:`~kit.optim.rounds.GradientRounds`, none with ``use_local_updates``, and the state
@@ -23,6 +24,7 @@ from kit.averaging.compression import CompressionBase, NoCompression
 from kit.averaging.deadlines import Deadlines
 from kit.optim.progress import ProgressTracker
 from kit.optim.rounds import GradientRounds
+from kit.optim.state import StateServer
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,11 @@ class OptimizerAveragers:
     grads: DecentralizedAverager | None  # None with use_local_updates (as hivemind's)
     rounds: GradientRounds | None  # one gradient round per epoch, on ``grads``
     state: DecentralizedAverager  # parameters (and statistics, extra tensors)
+
+    def shutdown(self) -> None:
+        if self.grads is not None:
+            self.grads.shutdown()
+        self.state.shutdown()
 
 
 def start_tracker(
@@ -76,8 +83,18 @@ def stop_tracker(dht: Any, tracker: ProgressTracker) -> None:
         dht.run_coroutine(stop)
 
 
+def start_state_server(dht: Any, run_id: str) -> StateServer:
+    """Serve this peer's state to late joiners (``kit.optim.state``), on the DHT's loop."""
+    identity = dht.node.peer.identity
+
+    async def serve(_: Any, node: Any) -> StateServer:
+        return StateServer(node.peer, node, run_id, identity)
+
+    server: StateServer = dht.run_coroutine(serve)
+    return server
+
+
 def averaging_options(
-    *,
     matchmaking_time: float,
     averaging_timeout: float,
     allreduce_timeout: float | None,
@@ -104,7 +121,7 @@ def build_averagers(
     dht: Any,
     run_id: str,
     params: Sequence[torch.Tensor],
-    state_buffers: list[torch.Tensor],
+    state_tensors: Sequence[torch.Tensor],
     *,
     tracker: ProgressTracker,
     deadlines: Deadlines,
@@ -141,7 +158,7 @@ def build_averagers(
             exact_gradients=exact,
         )
     state = DecentralizedAverager(
-        state_buffers,
+        [torch.zeros(t.shape, dtype=torch.float32) for t in state_tensors],
         dht,
         prefix=f"{run_id}_state_averager",
         compression=state_averaging_compression or NoCompression(),

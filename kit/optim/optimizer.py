@@ -46,7 +46,6 @@ the public API and composes the parts.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -65,14 +64,14 @@ from kit.optim.arguments import resolve_defaults, validate
 from kit.optim.collaboration import (
     averaging_options,
     build_averagers,
+    start_state_server,
     start_tracker,
     stop_tracker,
 )
 from kit.optim.driver import EpochDriver
 from kit.optim.epochs import EpochLife
-from kit.optim.progress import GlobalProgress, ProgressTracker
+from kit.optim.progress import GlobalProgress
 from kit.optim.sharing import StateSharing, start_download
-from kit.optim.state import StateServer
 from kit.optim.state_averaging import (
     AveragedTensors,
     DelayedStateAveraging,
@@ -195,8 +194,6 @@ class Optimizer(torch.optim.Optimizer):
         self.average_state_every = average_state_every
         self.average_opt_statistics = tuple(average_opt_statistics)
         self.load_state_timeout = load_state_timeout
-        if isinstance(shutdown_timeout, bool) or not 0 <= shutdown_timeout < math.inf:
-            raise ConfigError(f"shutdown_timeout={shutdown_timeout!r} - help: seconds, e.g. 5")
         self.shutdown_timeout = float(shutdown_timeout)
         self.target_group_size = target_group_size
         # Fixed, or "auto" (kit.averaging.deadlines): updated before every gradient round.
@@ -212,7 +209,6 @@ class Optimizer(torch.optim.Optimizer):
             else start_download(dht, run_id, load_state_timeout, only_if_running=True)
         )
         client = dht.client_mode if client_mode is None else client_mode
-        identity = dht.node.peer.identity
         life = EpochLife(prefetching=prefetch is not None)  # the epochs (kit.optim.epochs)
 
         self.tracker = start_tracker(
@@ -250,12 +246,11 @@ class Optimizer(torch.optim.Optimizer):
                 reuse_grad_buffers=reuse_grad_buffers,
                 buffered=not (use_local_updates or auxiliary),
             )
-            state_buffers = [torch.zeros(t.shape, dtype=torch.float32) for t in averaged.current()]
             averagers = build_averagers(
                 dht,
                 run_id,
                 self._params,
-                state_buffers,
+                averaged.current(),
                 tracker=self.tracker,
                 deadlines=deadlines,
                 use_local_updates=use_local_updates,
@@ -263,29 +258,25 @@ class Optimizer(torch.optim.Optimizer):
                 grad_compression=grad_compression,
                 state_averaging_compression=state_averaging_compression,
                 averaging=averaging_options(
-                    matchmaking_time=self._matchmaking_time,
-                    averaging_timeout=self._averaging_timeout,
-                    allreduce_timeout=allreduce_timeout,
-                    next_chunk_timeout=next_chunk_timeout,
+                    self._matchmaking_time,
+                    self._averaging_timeout,
+                    allreduce_timeout,
+                    next_chunk_timeout,
                     client_mode=client,
                     auxiliary=auxiliary,
                     averager_opts=averager_opts,
                 ),
             )
+            self._averagers = averagers
             self.grad_averager: DecentralizedAverager | None = averagers.grads
             self.state_averager = averagers.state
-            rounds = averagers.rounds
-
-            async def serve(_: Any, node: Any) -> StateServer:
-                return StateServer(node.peer, node, run_id, identity)
-
             sharing = StateSharing(
                 dht=dht,
                 run_id=run_id,
                 inner=self._inner,
                 extra=self._extra,
                 scheduler=scheduler,
-                server=dht.run_coroutine(serve),
+                server=start_state_server(dht, run_id),
                 prefetch=prefetch,
                 load_state_timeout=load_state_timeout,
             )
@@ -294,7 +285,7 @@ class Optimizer(torch.optim.Optimizer):
                 inner=self._inner,
                 accumulated=self._accumulated,
                 tracker=self.tracker,
-                rounds=rounds,
+                rounds=averagers.rounds,
                 sharing=sharing,
                 state_round=DelayedStateAveraging(self.state_averager, averaged.add),
                 averaged=averaged,
@@ -483,9 +474,7 @@ class Optimizer(torch.optim.Optimizer):
                     self.shutdown_timeout,
                 )
         finally:
-            if self.grad_averager is not None:
-                self.grad_averager.shutdown()
-            self.state_averager.shutdown()
+            self._averagers.shutdown()
             self._inner.shutdown()
             self._driver.sharing.shutdown()
             stop_tracker(self.dht, self.tracker)
