@@ -22,7 +22,7 @@ from kit.errors import (
     RemoteProtocolError,
 )
 from kit.p2p import wire
-from kit.p2p.connection import Channel, wait_bounded
+from kit.p2p.connection import Channel
 from kit.p2p.frame_auth import TAG_SIZE
 from kit.p2p.handshake import (
     DialerHandshake,
@@ -33,6 +33,7 @@ from kit.p2p.handshake import (
     refusal_frame,
 )
 from kit.p2p.identity import Identity, PeerID
+from kit.p2p.stream import wait_bounded
 from kit.p2p.wire import Refusal
 
 logger = logging.getLogger(__name__)

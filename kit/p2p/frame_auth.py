@@ -21,8 +21,9 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kit.errors import FrameAuthenticationFailed
-from kit.p2p.connection import Channel, Message, message_parts
+from kit.p2p.connection import Channel
 from kit.p2p.handshake import SessionKeys
+from kit.p2p.stream import Message, message_parts
 
 TAG_SIZE = 16
 

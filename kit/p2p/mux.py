@@ -488,7 +488,7 @@ class Mux:
             )
         end_message = bool(frame.flags & wire.END_MESSAGE)
         end_stream = bool(frame.flags & wire.END_STREAM)
-        if size or end_message:  # exactly the chunks the driver queues (``Stream._deliver``)
+        if size or end_message:  # exactly the chunks the driver queues (``Stream.deliver``)
             if not record.cost:  # it starts holding unread bytes now
                 self._clock += 1
                 record.since = self._clock

@@ -39,11 +39,12 @@ from kit.p2p import reachability, relay, transport
 from kit.p2p.api import DEFAULT_MAX_MESSAGE, StreamHandler, UnaryHandler
 from kit.p2p.budget import BufferLedger
 from kit.p2p.channel import Authorizer, OpenAuthorizer, accept_handshake, dial_handshake
-from kit.p2p.connection import Channel, Connection, Stream, wait_bounded
+from kit.p2p.connection import Channel, Connection
 from kit.p2p.frame_auth import AuthenticatedChannel
 from kit.p2p.handshake import HandshakeSettings, RemoteHello
 from kit.p2p.identity import Identity, IdentityLock, PeerID, load_identity
 from kit.p2p.options import PeerOptions, RelayLimits
+from kit.p2p.stream import Stream, wait_bounded
 from kit.p2p.transport import HttpHandler, HttpRequest, HttpResponse, Listener
 from kit.p2p.wire import Refusal, ResetCode
 

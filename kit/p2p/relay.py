@@ -44,9 +44,10 @@ from kit.errors import ConnectionLost, KitTimeout, PeerError, PeerUnavailable, R
 from kit.p2p import wire
 from kit.p2p.budget import BufferLedger
 from kit.p2p.channel import WEBSOCKET_MAX_SIZE
-from kit.p2p.connection import Channel, Message, Stream, message_parts
+from kit.p2p.connection import Channel
 from kit.p2p.identity import PeerID
 from kit.p2p.options import PeerOptions, RelayLimits
+from kit.p2p.stream import Message, Stream, message_parts
 from kit.p2p.wire import ResetCode
 
 logger = logging.getLogger(__name__)

@@ -46,9 +46,10 @@ from kit.errors import (
     PeerUnavailable,
 )
 from kit.p2p.channel import refuse, websocket_max_size
-from kit.p2p.connection import Channel, Message, message_bytes, wait_bounded
+from kit.p2p.connection import Channel
 from kit.p2p.identity import PeerID
 from kit.p2p.options import PeerOptions
+from kit.p2p.stream import Message, message_bytes, wait_bounded
 from kit.p2p.websocket import FastWebSocketChannel
 from kit.p2p.websockets_log import WEBSOCKETS_LOG
 from kit.p2p.wire import Refusal

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from kit.errors import ConnectionLost, FrameTooLarge, MalformedFrame
-from kit.p2p.connection import Message, message_parts
+from kit.p2p.stream import Message, message_parts
 
 OP_CONTINUATION, OP_TEXT, OP_BINARY, OP_CLOSE, OP_PING, OP_PONG = 0x0, 0x1, 0x2, 0x8, 0x9, 0xA
 _DIRECT_READ = 64 * 1024  # payloads at least this large are read straight into their buffer

@@ -27,8 +27,8 @@ from kit.averaging.averager import AsyncAverager
 from kit.averaging.chunk_stream import PROTOCOL
 from kit.averaging.settings import AveragerSettings
 from kit.dht.node import DHTConfig, DHTNode
-from kit.p2p import connection
 from kit.p2p.peer import create_peer
+from kit.p2p.stream import Stream
 
 PAYLOAD_BYTES = 1024  # messages at least this large are tensor payloads, not headers
 
@@ -39,10 +39,10 @@ def values(seed: int, numel: int) -> torch.Tensor:
 
 def die_after_payloads(count: int) -> None:
     """SIGKILL this process when it is about to send its ``count + 1``-th tensor payload."""
-    send = connection.Stream.send_message
+    send = Stream.send_message
     sent = 0
 
-    async def counting(self: connection.Stream, data: Any, *, timeout: float | None = None) -> None:
+    async def counting(self: Stream, data: Any, *, timeout: float | None = None) -> None:
         nonlocal sent
         if self.protocol == PROTOCOL and len(memoryview(data)) >= PAYLOAD_BYTES:
             if sent >= count:
@@ -50,7 +50,7 @@ def die_after_payloads(count: int) -> None:
             sent += 1
         await send(self, data, timeout=timeout)
 
-    connection.Stream.send_message = counting  # type: ignore[method-assign]
+    Stream.send_message = counting  # type: ignore[method-assign]
 
 
 async def victim(request: dict[str, Any]) -> None:

@@ -16,10 +16,10 @@ from collections.abc import Callable
 import pytest
 
 from kit.errors import PeerError
-from kit.p2p.connection import Stream
 from kit.p2p.identity import PeerID
 from kit.p2p.options import RelayLimits
 from kit.p2p.peer import Peer, create_peer
+from kit.p2p.stream import Stream
 
 pytestmark = pytest.mark.sockets
 
