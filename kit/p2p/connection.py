@@ -38,13 +38,13 @@ from kit.p2p.mux import (
     DataReceived,
     GoAway,
     Mux,
-    MuxLimits,
     SendFrame,
     StreamOpened,
     StreamResetByPeer,
     StreamShed,
     StreamState,
 )
+from kit.p2p.options import MuxLimits
 from kit.p2p.stream import Message, Stream, StreamHandler, reset_error
 from kit.p2p.wire import FrameType, Refusal, ResetCode
 
@@ -236,8 +236,8 @@ class Connection:
                     self._dispatch(event)
                 if self._ledger is not None and frame.type is FrameType.DATA:
                     self._shed_for_peer(self._ledger)
-                    if self.mux.circuit_ledger is not None:  # this peer relays circuits here
-                        self._shed_for_peer(self.mux.circuit_ledger, circuits=True)
+                    if self.mux.buffers.circuit_ledger is not None:  # this peer relays circuits here
+                        self._shed_for_peer(self.mux.buffers.circuit_ledger, circuits=True)
         except RemoteProtocolError as e:
             logger.warning("dropping %s: %s", self.remote_peer.short(), e)
             reason = Refusal.TOO_MANY_STREAMS if "beyond the limit" in str(e) else Refusal.PROTOCOL

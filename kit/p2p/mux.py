@@ -9,14 +9,15 @@ a 100-byte DHT request do not wait for each other. Each stream has:
   consumes data. A slow reader therefore bounds the sender's memory to about one window, and a
   peer that sends beyond its credit is cut off (``FlowControlViolation``).
 
-Limits protect a peer from its peers: at most ``max_inbound_streams`` concurrent streams opened
+Limits (:class:`~kit.p2p.options.MuxLimits`) protect a peer from its peers: at most
+``max_inbound_streams`` concurrent streams opened
 by the remote side (more are refused with RESET "refused"; a peer that keeps opening after
 ``max_refused`` refusals is disconnected), frames no larger than announced, protocol names short.
 Windows bound a stream, not the streams together: the connection's unread bytes are charged
 against ``connection_buffer`` (and a peer-wide :class:`~kit.p2p.budget.BufferLedger`); over it,
 the stream holding the most is reset with code ``memory`` (``shed``), and while a connection
 could not take another full window, new inbound streams are refused (``kit.p2p.budget`` says why
-this and not a connection window).
+this and not a connection window, counts the bytes and chooses the stream to reset).
 
 This module never awaits and never reads a clock; :mod:`kit.p2p.connection` drives it.
 """
@@ -28,38 +29,17 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 
 from kit.errors import (
-    ConfigError,
     FlowControlViolation,
     LocalProtocolError,
     MalformedFrame,
     TooManyStreams,
 )
 from kit.p2p import wire
-from kit.p2p.budget import CHUNK_COST, BufferLedger
+from kit.p2p.budget import CHUNK_COST, BufferLedger, ConnectionBuffers, StreamCharges
+from kit.p2p.options import MuxLimits
 from kit.p2p.wire import DataFlags, Frame, FrameType, ResetCode
 
 MAX_PROTOCOL_NAME = 200
-
-
-@dataclass(frozen=True)
-class MuxLimits:
-    """Per-connection limits; defaults suit tensor traffic on 2-core machines."""
-
-    receive_window: int = (
-        8 * 1024**2
-    )  # unconsumed bytes one stream may buffer here; raise for fast, far links
-    max_frame: int = 1024**2  # largest DATA payload accepted (1-4 MiB measured fastest here)
-    max_inbound_streams: int = 256  # concurrent streams the remote side may open
-    max_refused: int = 256  # refused stream openings tolerated before the peer is dropped
-    connection_buffer: int = 64 * 2**20  # unread bytes per connection; raise if "reset for memory"
-
-    def __post_init__(self) -> None:
-        if self.connection_buffer < self.receive_window:
-            raise ConfigError(
-                f"MuxLimits.connection_buffer ({self.connection_buffer}) is smaller than "
-                f"receive_window ({self.receive_window}): one stream could never use its "
-                "window. help: raise connection_buffer (default 64 MiB) or lower receive_window"
-            )
 
 
 class StreamState(enum.Enum):
@@ -162,27 +142,15 @@ Event = (
 _DATA = int(FrameType.DATA)
 
 
-class _StreamRecord:
-    __slots__ = (
-        "awaited",
-        "circuit",
-        "consumed_unacked",
-        "cost",
-        "since",
-        "received_unconsumed",
-        "send_credit",
-        "state",
-    )
+class _StreamRecord(StreamCharges):
+    __slots__ = ("consumed_unacked", "received_unconsumed", "send_credit", "state")
 
     def __init__(self, send_credit: int) -> None:
+        super().__init__()
         self.state = StreamState.OPEN
         self.send_credit = send_credit  # bytes we may still send
         self.received_unconsumed = 0  # bytes received and not yet consumed by the application
         self.consumed_unacked = 0  # consumed bytes not yet returned as credit
-        self.cost = 0  # what its unread chunks cost here: payloads + CHUNK_COST each
-        self.since = 0  # the connection's clock when it was opened, last read, or last empty
-        self.awaited = False  # the application is waiting to read it right now
-        self.circuit = False  # a circuit this peer relays: charged to the relay's budgets
 
 
 class Mux:
@@ -199,17 +167,9 @@ class Mux:
         holder: Hashable | None = None,
     ) -> None:
         self.limits = limits
-        self.buffered = 0  # what the unread chunks of all streams cost here (see kit.p2p.budget)
+        # What the unread chunks of its streams cost here, against which budgets (kit.p2p.budget)
+        self.buffers = ConnectionBuffers(ledger, self if holder is None else holder)
         self.shed_count = 0  # streams reset for memory so far
-        # Circuits this peer relays (kit.p2p.relay) are charged apart: to ``circuit_ledger``
-        # and ``circuit_budget``, set by ``mark_circuit``, not to the two budgets above.
-        self.circuit_buffered = 0
-        self.circuit_peak = 0  # the most ``circuit_buffered`` held after shedding
-        self.circuit_budget = 0
-        self.circuit_ledger: BufferLedger[Hashable] | None = None
-        self._ledger = ledger
-        self._holder: Hashable = self if holder is None else holder
-        self._clock = 0  # ticks at every read and every new stream, for choosing whom to shed
         self.remote_window = remote_window
         self.send_frame_size = min(remote_max_frame, limits.max_frame)
         self._streams: dict[int, _StreamRecord] = {}
@@ -303,9 +263,8 @@ class Mux:
         record.consumed_unacked += size
         # Less is charged only once ``release_all`` let go of everything (connection closed;
         # the application may still read the chunks it was given).
-        self._release(record, min(size + CHUNK_COST, record.cost))
-        self._clock += 1
-        record.since = self._clock
+        self.buffers.release(record, min(size + CHUNK_COST, record.cost))
+        self.buffers.touch(record)
         if record.state in FINAL_STATES or record.state is StreamState.REMOTE_CLOSED:
             return None  # the remote will send nothing more: no credit needed
         # Return credit in batches of a quarter window: fewer frames, the pipe never drains.
@@ -368,7 +327,8 @@ class Mux:
         if not 0 < len(protocol) <= MAX_PROTOCOL_NAME:
             raise MalformedFrame(f"OPEN: protocol name of {len(protocol)} characters")
         self._highest_remote_id = stream_id
-        full = self.buffered + self.limits.receive_window > self.limits.connection_buffer
+        buffered = self.buffers.buffered
+        full = buffered + self.limits.receive_window > self.limits.connection_buffer
         if self._inbound_open >= self.limits.max_inbound_streams or full:
             self._refused += 1
             if self._refused > self.limits.max_refused:
@@ -378,7 +338,7 @@ class Mux:
                 )
             message = f"more than {self.limits.max_inbound_streams} concurrent streams"
             if full:
-                message = f"{self.buffered} bytes unread on this connection: no room for a window"
+                message = f"{buffered} bytes unread on this connection: no room for a window"
             reset = wire.encode_control(
                 FrameType.RESET, stream_id, {"code": ResetCode.REFUSED.value, "message": message}
             )
@@ -396,20 +356,9 @@ class Mux:
             record.awaited = awaited
 
     def shed(self, why: str, *, circuits: bool = False) -> StreamShed | None:
-        """Reset the stream holding the most unread bytes here, releasing them; None if no
-        stream holds any. Streams the remote opened go first (how many and what they hold is
-        the remote's doing; our own are our application's), then streams nobody is waiting
-        to read (a waiting reader takes its bytes as soon as the loop turns), then the most
-        unread bytes, then the stream holding bytes unread for longest. Only relayed circuits
-        if ``circuits``, else only the others: each kind is shed for its own budget."""
-        victim_id, victim_key = None, (False, False, 0, 0)
-        for stream_id, record in self._streams.items():
-            inbound = stream_id % 2 != self._local_parity
-            key = (inbound, not record.awaited, record.cost, -record.since)
-            if record.circuit is not circuits:
-                continue
-            if record.cost and (victim_id is None or key > victim_key):
-                victim_id, victim_key = stream_id, key
+        """Reset the stream ``ConnectionBuffers.victim`` chooses (of the relayed circuits if
+        ``circuits``, else of the others), releasing its unread bytes; None if none holds any."""
+        victim_id = self.buffers.victim(self._streams, self._local_parity, circuits=circuits)
         if victim_id is None:
             return None
         victim = self._streams[victim_id]
@@ -425,9 +374,8 @@ class Mux:
         return StreamShed(victim_id, unread, frame)
 
     def _new_record(self) -> _StreamRecord:
-        self._clock += 1
         record = _StreamRecord(self.remote_window)
-        record.since = self._clock
+        self.buffers.touch(record)
         return record
 
     def mark_circuit(self, stream_id: int, ledger: BufferLedger[Hashable], budget: int) -> None:
@@ -435,44 +383,12 @@ class Mux:
         against ``budget`` (for this connection) and ``ledger`` (the relay's), not against
         ``connection_buffer`` and the peer's ledger (``kit.p2p.relay`` says why)."""
         record = self._streams.get(stream_id)
-        if record is None or record.circuit:
-            return
-        cost = record.cost
-        self._release(record, cost)
-        self.circuit_ledger, self.circuit_budget = ledger, budget
-        record.circuit = True
-        self._charge(record, cost)
+        if record is not None and not record.circuit:
+            self.buffers.charge_to_circuits(record, ledger, budget)
 
     def release_all(self) -> None:
         """The connection is gone: nothing it received is ours to count any more."""
-        self.buffered = self.circuit_buffered = 0
-        for record in self._streams.values():
-            record.cost = 0
-        for ledger in (self._ledger, self.circuit_ledger):
-            if ledger is not None:
-                ledger.forget(self._holder)
-
-    def _charge(self, record: _StreamRecord, cost: int) -> None:
-        record.cost += cost
-        if record.circuit:
-            self.circuit_buffered += cost
-            ledger = self.circuit_ledger
-        else:
-            self.buffered += cost
-            ledger = self._ledger
-        if ledger is not None:
-            ledger.charge(self._holder, cost)
-
-    def _release(self, record: _StreamRecord, cost: int) -> None:
-        record.cost -= cost
-        if record.circuit:
-            self.circuit_buffered -= cost
-            ledger = self.circuit_ledger
-        else:
-            self.buffered -= cost
-            ledger = self._ledger
-        if ledger is not None:
-            ledger.release(self._holder, cost)
+        self.buffers.release_all(self._streams.values())
 
     def _receive_data(self, frame: Frame, record: _StreamRecord) -> list[Event]:
         if record.state in FINAL_STATES:
@@ -490,29 +406,29 @@ class Mux:
         end_stream = bool(frame.flags & wire.END_STREAM)
         if size or end_message:  # exactly the chunks the driver queues (``Stream.deliver``)
             if not record.cost:  # it starts holding unread bytes now
-                self._clock += 1
-                record.since = self._clock
-            self._charge(record, size + CHUNK_COST)
+                self.buffers.touch(record)
+            self.buffers.charge(record, size + CHUNK_COST)
         if end_stream:
             self._transition(frame.stream_id, record, StreamEvent.REMOTE_END)
         events: list[Event] = [
             DataReceived(frame.stream_id, frame.payload, end_message, end_stream)
         ]
+        buffers = self.buffers
         if record.circuit:
-            budget = self.circuit_budget
-            while self.circuit_buffered > budget and (
+            budget = buffers.circuit_budget
+            while buffers.circuit_buffered > budget and (
                 shed := self.shed(
-                    f"the circuits relayed for this peer held {self.circuit_buffered} of their "
-                    f"{budget} (RelayLimits.peer_buffer)",
+                    f"the circuits relayed for this peer held {buffers.circuit_buffered} of "
+                    f"their {budget} (RelayLimits.peer_buffer)",
                     circuits=True,
                 )
             ):
                 events.append(shed)
-            self.circuit_peak = max(self.circuit_peak, self.circuit_buffered)
+            buffers.circuit_peak = max(buffers.circuit_peak, buffers.circuit_buffered)
             return events
         budget = self.limits.connection_buffer
-        while self.buffered > budget and (
-            shed := self.shed(f"the connection held {self.buffered} of its {budget}")
+        while buffers.buffered > budget and (
+            shed := self.shed(f"the connection held {buffers.buffered} of its {budget}")
         ):
             events.append(shed)
         return events
@@ -530,7 +446,7 @@ class Mux:
             # inbound stream's handler); what a fully closed stream still holds is bounded by
             # one window and lives only as long as the application keeps the stream.
             if record.cost:
-                self._release(record, record.cost)
+                self.buffers.release(record, record.cost)
             del self._streams[stream_id]
             if stream_id % 2 != self._local_parity:
                 self._inbound_open -= 1

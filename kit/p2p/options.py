@@ -1,4 +1,6 @@
-"""How a peer listens, dials, relays and limits its peers: :class:`PeerOptions`.
+"""How a peer listens, dials, relays and limits its peers: :class:`PeerOptions`, with the limits
+of each connection (:class:`MuxLimits`, enforced by ``kit.p2p.mux``) and of relaying
+(:class:`RelayLimits`).
 
 Pass the fields as keywords of ``kit.p2p.peer.create_peer``. Every field has a working default;
 the comments say when to change one.
@@ -10,7 +12,27 @@ import ssl
 from dataclasses import dataclass, field
 
 from kit.errors import ConfigError
-from kit.p2p.mux import MuxLimits
+
+
+@dataclass(frozen=True)
+class MuxLimits:
+    """Per-connection limits; defaults suit tensor traffic on 2-core machines."""
+
+    receive_window: int = (
+        8 * 1024**2
+    )  # unconsumed bytes one stream may buffer here; raise for fast, far links
+    max_frame: int = 1024**2  # largest DATA payload accepted (1-4 MiB measured fastest here)
+    max_inbound_streams: int = 256  # concurrent streams the remote side may open
+    max_refused: int = 256  # refused stream openings tolerated before the peer is dropped
+    connection_buffer: int = 64 * 2**20  # unread bytes per connection; raise if "reset for memory"
+
+    def __post_init__(self) -> None:
+        if self.connection_buffer < self.receive_window:
+            raise ConfigError(
+                f"MuxLimits.connection_buffer ({self.connection_buffer}) is smaller than "
+                f"receive_window ({self.receive_window}): one stream could never use its "
+                "window. help: raise connection_buffer (default 64 MiB) or lower receive_window"
+            )
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ import pytest
 from kit.errors import ConfigError
 from kit.p2p import wire
 from kit.p2p.budget import CHUNK_COST, BufferLedger
-from kit.p2p.mux import DataReceived, Mux, MuxLimits, SendFrame, StreamOpened, StreamShed
-from kit.p2p.options import PeerOptions, RelayLimits
+from kit.p2p.mux import DataReceived, Mux, SendFrame, StreamOpened, StreamShed
+from kit.p2p.options import MuxLimits, PeerOptions, RelayLimits
 from kit.p2p.wire import FrameType, ResetCode
 
 WINDOW = 64 * 1024
@@ -102,18 +102,18 @@ def test_a_remote_filling_every_window_is_held_to_the_connection_budget() -> Non
     shed: list[StreamShed] = []
     for stream_id in ids:
         shed += sheds(fill(sender, receiver, stream_id, WINDOW // FRAME))
-        assert receiver.buffered <= LIMITS.connection_buffer
+        assert receiver.buffers.buffered <= LIMITS.connection_buffer
     # ...but their chunk costs do not: the oldest full one goes, with a RESET "memory" frame
     assert len(shed) == 1 and shed[0].stream_id == ids[0] and shed[0].unread == WINDOW
     reset = wire.decode_frame(shed[0].frame, FRAME)
     assert reset.type is FrameType.RESET and reset.stream_id == ids[0]
     assert wire.decode_reason(reset.payload, "RESET")[0] == ResetCode.MEMORY.value
-    assert receiver.buffered == 3 * FULL_WINDOW_COST
+    assert receiver.buffers.buffered == 3 * FULL_WINDOW_COST
     assert receiver.shed_count == 1
     # frames racing with the RESET (sent on credit returned before it) are dropped, not counted
     deliver(sender, wire.encode_credit(ids[0], FRAME))
     assert deliver(receiver, sender.data_frame(ids[0], CHUNK, end_message=True)) == []
-    assert receiver.buffered == 3 * FULL_WINDOW_COST
+    assert receiver.buffers.buffered == 3 * FULL_WINDOW_COST
 
 
 def test_new_streams_are_refused_while_a_window_would_not_fit() -> None:
@@ -122,7 +122,9 @@ def test_new_streams_are_refused_while_a_window_would_not_fit() -> None:
     events = fill(sender, receiver, first, WINDOW // FRAME)
     for stream_id in others:
         fill(sender, receiver, stream_id, WINDOW // FRAME)
-    assert receiver.buffered + WINDOW > LIMITS.connection_buffer >= receiver.buffered
+    assert (
+        receiver.buffers.buffered + WINDOW > LIMITS.connection_buffer >= receiver.buffers.buffered
+    )
     _, frame = sender.open_stream("sink")
     (refusal,) = deliver(receiver, frame)
     assert isinstance(refusal, SendFrame)
@@ -159,7 +161,7 @@ def test_a_stream_the_application_waits_on_and_our_own_streams_go_last() -> None
     listener.awaiting(awaited, False)  # it stopped waiting: now it is the remote's oldest full
     order = [listener.shed("test") for _ in range(3)]
     assert [shed.stream_id for shed in order if shed is not None] == [awaited, late, ours]
-    assert listener.shed("test") is None and listener.buffered == 0
+    assert listener.shed("test") is None and listener.buffers.buffered == 0
 
 
 def test_empty_frames_cost_memory_and_are_budgeted() -> None:
@@ -172,11 +174,11 @@ def test_empty_frames_cost_memory_and_are_budgeted() -> None:
     while sent <= LIMITS.connection_buffer // CHUNK_COST + 2:
         sent += 1
         events = deliver(receiver, sender.data_frame(stream_id, empty, end_message=True))
-        assert receiver.buffered <= LIMITS.connection_buffer
+        assert receiver.buffers.buffered <= LIMITS.connection_buffer
         if sheds(events):
             break
     assert sent == LIMITS.connection_buffer // CHUNK_COST + 1  # the first one over the budget
-    assert receiver.buffered == 0
+    assert receiver.buffers.buffered == 0
 
 
 def test_reading_releases_and_a_legitimate_heavy_pattern_is_never_reset() -> None:
@@ -191,7 +193,7 @@ def test_reading_releases_and_a_legitimate_heavy_pattern_is_never_reset() -> Non
             for credit in consume(receiver, events):
                 deliver(sender, credit)
     assert receiver.shed_count == 0
-    assert receiver.buffered == ledger.total == 0  # every chunk read, nothing held
+    assert receiver.buffers.buffered == ledger.total == 0  # every chunk read, nothing held
 
 
 def test_a_reset_or_a_closed_connection_releases_its_bytes_from_the_ledger() -> None:
@@ -200,18 +202,18 @@ def test_a_reset_or_a_closed_connection_releases_its_bytes_from_the_ledger() -> 
     first, second = open_streams(sender, receiver, 2)
     fill(sender, receiver, first, 2)
     fill(sender, receiver, second, 3)
-    assert ledger.total == receiver.buffered == 5 * (FRAME + CHUNK_COST)
+    assert ledger.total == receiver.buffers.buffered == 5 * (FRAME + CHUNK_COST)
     assert receiver.reset_frame(second, ResetCode.CANCELLED) is not None
-    assert ledger.total == receiver.buffered == 2 * (FRAME + CHUNK_COST)
+    assert ledger.total == receiver.buffers.buffered == 2 * (FRAME + CHUNK_COST)
     deliver(receiver, wire.encode_control(FrameType.RESET, first, {"code": "x", "message": ""}))
-    assert ledger.total == receiver.buffered == 0
+    assert ledger.total == receiver.buffers.buffered == 0
     (third,) = open_streams(sender, receiver, 1)
     fill(sender, receiver, third, 1)
     receiver.release_all()
-    assert ledger.total == receiver.buffered == 0 and ledger.heaviest() is None
+    assert ledger.total == receiver.buffers.buffered == 0 and ledger.heaviest() is None
     # The application may still read the chunk it was given after the connection closed.
     receiver.consumed(third, FRAME)  # used to trip the ledger: releasing bytes it let go of
-    assert ledger.total == receiver.buffered == 0
+    assert ledger.total == receiver.buffers.buffered == 0
 
 
 def test_relayed_circuits_are_charged_to_the_relay_budgets_only() -> None:
@@ -225,18 +227,18 @@ def test_relayed_circuits_are_charged_to_the_relay_budgets_only() -> None:
     fill(sender, receiver, circuits[0], 1)
     for stream_id in circuits:
         receiver.mark_circuit(stream_id, relay_ledger, budget=6 * FULL_WINDOW_COST)
-    assert receiver.buffered == peer_ledger.total == 0  # moved to the relay's ledger
+    assert receiver.buffers.buffered == peer_ledger.total == 0  # moved to the relay's ledger
     fill(sender, receiver, own, 1)
     events: list[object] = []
     for stream_id in circuits[:6]:  # 6 full windows: over connection_buffer (4), at the budget
         events += fill(sender, receiver, stream_id, WINDOW // FRAME - (stream_id == circuits[0]))
-    assert sheds(events) == [] and receiver.circuit_buffered == 6 * FULL_WINDOW_COST
-    assert relay_ledger.total == receiver.circuit_buffered
+    assert sheds(events) == [] and receiver.buffers.circuit_buffered == 6 * FULL_WINDOW_COST
+    assert relay_ledger.total == receiver.buffers.circuit_buffered
     assert open_streams(sender, receiver, 1)  # new streams still accepted
     shed = sheds(fill(sender, receiver, circuits[6], 1))
     assert [event.stream_id for event in shed] != [] and own not in [e.stream_id for e in shed]
-    assert receiver.circuit_peak <= 6 * FULL_WINDOW_COST
-    assert receiver.buffered == peer_ledger.total == FRAME + CHUNK_COST
+    assert receiver.buffers.circuit_peak <= 6 * FULL_WINDOW_COST
+    assert receiver.buffers.buffered == peer_ledger.total == FRAME + CHUNK_COST
     receiver.release_all()
     assert relay_ledger.total == peer_ledger.total == 0
 
@@ -258,7 +260,7 @@ def test_over_the_peer_budget_the_heaviest_connection_sheds() -> None:
         assert holder.shed("peer over budget") is not None
     assert ledger.settle() <= ledger.budget
     assert heavy.shed_count == 1 and light.shed_count == 0
-    assert light.buffered == FULL_WINDOW_COST
+    assert light.buffers.buffered == FULL_WINDOW_COST
 
 
 def test_budgets_smaller_than_what_they_contain_are_refused() -> None:

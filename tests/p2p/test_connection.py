@@ -12,7 +12,7 @@ import pytest
 from kit.errors import KitTimeout, StreamReset
 from kit.p2p.api import StreamAPI
 from kit.p2p.identity import PeerID
-from kit.p2p.mux import MuxLimits
+from kit.p2p.options import MuxLimits
 from kit.p2p.peer import Peer, create_peer
 from kit.p2p.wire import ResetCode
 
@@ -152,7 +152,10 @@ async def test_a_flooding_peer_is_held_to_the_budgets_and_everyone_else_is_serve
         assert victim.buffer_ledger.total <= SMALL_BUDGET
         for peer in (attacker, other):
             connection = victim.connection(peer.peer_id)
-            assert connection is not None and connection.mux.buffered <= SMALL.connection_buffer
+            assert (
+                connection is not None
+                and connection.mux.buffers.buffered <= SMALL.connection_buffer
+            )
         warned = [r.getMessage() for r in caplog.records if "for memory" in r.getMessage()]
         assert any(attacker.peer_id.short() in message for message in warned)
         # the handlers of reset streams were cancelled: nothing of theirs is left running

@@ -11,12 +11,12 @@ from kit.p2p.mux import (
     CreditReceived,
     DataReceived,
     Mux,
-    MuxLimits,
     SendFrame,
     StreamOpened,
     StreamResetByPeer,
     StreamState,
 )
+from kit.p2p.options import MuxLimits
 from kit.p2p.wire import FrameType, ResetCode
 
 LIMITS = MuxLimits(

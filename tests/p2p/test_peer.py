@@ -33,7 +33,7 @@ from kit.p2p import wire
 from kit.p2p.api import StreamAPI
 from kit.p2p.handshake import DialerHandshake, HandshakeSettings
 from kit.p2p.identity import Identity, PeerID
-from kit.p2p.mux import MuxLimits
+from kit.p2p.options import MuxLimits
 from kit.p2p.peer import Peer, create_peer
 from kit.p2p.tensors import TensorHeader, receive_tensor, send_tensor
 from kit.p2p.wire import FrameType

@@ -73,7 +73,7 @@ async def push(peer: Peer, target: PeerID, size: int, seed: int) -> str:
 def holding(relay: Peer, peer_id: PeerID) -> int:
     """Unread bytes the relay holds on its connection to ``peer_id``, circuits or not."""
     mux = relay._connections[peer_id].mux
-    return mux.buffered + mux.circuit_buffered
+    return mux.buffers.buffered + mux.buffers.circuit_buffered
 
 
 def resets_for_memory(peers: list[Peer]) -> int:
@@ -117,7 +117,7 @@ async def test_many_slow_circuits_of_one_client_are_not_reset_at_default_limits(
         # Nothing was reset for memory anywhere: not at the relay, not at the endpoints (whose
         # circuit streams are read by their relayed connections' readers as frames come).
         assert resets_for_memory(peers) == 0
-        peak = relay._connections[client.peer_id].mux.circuit_peak
+        peak = relay._connections[client.peer_id].mux.buffers.circuit_peak
         assert over < peak <= relay.options.relay_limits.peer_buffer
     finally:
         gate.set()
@@ -153,7 +153,9 @@ async def test_a_client_flooding_circuits_to_destinations_that_never_read_is_bou
         service = relay.relay_service
         assert service is not None
         for attacker in attackers:
-            assert relay._connections[attacker.peer_id].mux.circuit_peak <= limits.peer_buffer
+            assert (
+                relay._connections[attacker.peer_id].mux.buffers.circuit_peak <= limits.peer_buffer
+            )
         assert 0 < service.buffer_ledger.peak <= limits.buffer_budget
         # Circuits are not the relay's own streams: its own budgets hold nothing of them.
         assert relay.buffer_ledger.peak < relay.options.limits.connection_buffer
