@@ -124,18 +124,13 @@ class GradientAccumulator:
             self.clear_grads()
 
     def clear_grads(self) -> None:
-        """Zero ``.grad`` (kept as a buffer with ``reuse_grad_buffers``, else dropped)."""
-        for param in self.params:
-            if param.grad is None:
-                continue
-            if self.reuse_grad_buffers:
-                param.grad.detach_().zero_()  # keep the buffer: that is the point of reusing it
-            else:
-                param.grad = None
+        """Zero ``.grad`` (kept as a buffer with ``reuse_grad_buffers``: that is the point of
+        reusing it; else dropped)."""
+        self.zero_grad(set_to_none=not self.reuse_grad_buffers)
 
     def zero_grad(self, *, set_to_none: bool) -> None:
-        """``Optimizer.zero_grad``: the caller clears ``.grad`` between micro-batches (the
-        accumulator has taken them)."""
+        """Clear ``.grad`` (``Optimizer.zero_grad``: between micro-batches the accumulator has
+        taken them)."""
         for param in self.params:
             if param.grad is not None:
                 if set_to_none:

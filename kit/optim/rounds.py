@@ -140,20 +140,18 @@ def average_at_epoch(
     epoch: int,
     weight: float,
     *,
-    last_group_size: int,
+    expected: int,
     matchmaking_time: float,
     averaging_timeout: float,
-) -> tuple[RoundResult | None, int]:
-    """One round tagged with ``epoch``; returns the result (None: failed) and the peers expected.
+) -> RoundResult | None:
+    """One round tagged with ``epoch``; returns the result (None: failed).
 
-    It begins as soon as every peer the tracker sees at ``epoch`` is in, and gives up early when
-    the others already finished ``epoch``'s round without us.
+    It begins as soon as the ``expected`` peers (:func:`expected_peers`) are in, and gives up
+    early when the others already finished ``epoch``'s round without us.
     """
     averager.set_group_bits(group_bits(epoch))
-    expected = expected_peers(tracker, epoch, last_group_size)
     averager.set_target_group_size(expected if expected >= 2 else None)
-    result = _blocking_step(averager, tracker, epoch, weight, matchmaking_time, averaging_timeout)
-    return result, expected
+    return _blocking_step(averager, tracker, epoch, weight, matchmaking_time, averaging_timeout)
 
 
 def expected_peers(tracker: ProgressTracker, epoch: int, last_group_size: int) -> int:
@@ -346,12 +344,12 @@ class GradientRounds:
         if group_size is not None and expected > group_size:
             outcome = self._average_on_grid(epoch, samples, expected, group_size, exact)
         else:
-            result, expected = average_at_epoch(
+            result = average_at_epoch(
                 self.averager,
                 self.tracker,
                 epoch,
                 float(samples),
-                last_group_size=last_group_size,
+                expected=expected,
                 matchmaking_time=self.matchmaking_time,
                 averaging_timeout=self.averaging_timeout,
             )

@@ -22,6 +22,7 @@ from kit.optim.rounds import (
     RoundOutcome,
     average_at_epoch,
     average_on_grid,
+    expected_peers,
     group_bits,
 )
 from kit.optim.stepping import InnerOptimizer
@@ -76,12 +77,14 @@ def test_failed_and_partial_rounds_are_logged(caplog: pytest.LogCaptureFixture) 
 
 def test_a_round_expects_the_peers_with_samples_at_its_epoch() -> None:
     averager = Averager([torch.zeros(2)], lambda control: control.set_result(Result(3)))
-    result, expected = average_at_epoch(
+    tracker = Tracker(with_samples=3, at_epoch=4)
+    expected = expected_peers(tracker, 4, 0)  # type: ignore[arg-type]
+    result = average_at_epoch(
         averager,  # type: ignore[arg-type]
-        Tracker(with_samples=3, at_epoch=4),  # type: ignore[arg-type]
+        tracker,  # type: ignore[arg-type]
         4,
         32.0,
-        last_group_size=0,
+        expected=expected,
         matchmaking_time=0.5,
         averaging_timeout=5.0,
     )
@@ -98,12 +101,13 @@ def test_without_reports_of_samples_a_round_expects_the_last_group(
     averager = Averager(
         [torch.zeros(2)], lambda control: control.set_exception(AveragingFailed("no group"))
     )
-    result, expected = average_at_epoch(
+    tracker = Tracker(with_samples=1, at_epoch=at_epoch)
+    result = average_at_epoch(
         averager,  # type: ignore[arg-type]
-        Tracker(with_samples=1, at_epoch=at_epoch),  # type: ignore[arg-type]
+        tracker,  # type: ignore[arg-type]
         4,
         32.0,
-        last_group_size=last,
+        expected=expected_peers(tracker, 4, last),  # type: ignore[arg-type]
         matchmaking_time=0.5,
         averaging_timeout=5.0,
     )
@@ -112,12 +116,12 @@ def test_without_reports_of_samples_a_round_expects_the_last_group(
 
 def test_a_round_still_looking_after_the_others_moved_on_gives_up() -> None:
     averager = Averager([torch.zeros(2)], lambda control: None)  # nobody ever comes
-    result, _ = average_at_epoch(
+    result = average_at_epoch(
         averager,  # type: ignore[arg-type]
         Tracker(with_samples=3, at_epoch=3, epoch=5),  # type: ignore[arg-type]
         4,
         32.0,
-        last_group_size=0,
+        expected=3,
         matchmaking_time=30.0,  # it would otherwise wait this long
         averaging_timeout=60.0,
     )
