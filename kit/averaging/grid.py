@@ -123,10 +123,11 @@ def rounds_for(peers: int, group_size: int) -> int:
     return rounds
 
 
-def pool_delay(shards: int, min_matchmaking_time: float, request_timeout: float) -> float:
-    """How much later than its shard groups a sharded round's pool groups may end (0: the
-    round was not sharded): the pool forms one matchmaking time and a settled view later."""
-    return 2 * min_matchmaking_time + request_timeout if shards > 1 else 0.0
+def pool_delay(late_groups: bool, min_matchmaking_time: float, request_timeout: float) -> float:
+    """How much later than the round's full groups its ``late_groups`` may end (0: none): a
+    sharded round's pool, or a remainder group that waits out its matchmaking time, forms one
+    matchmaking time and a settled view later."""
+    return 2 * min_matchmaking_time + request_timeout if late_groups else 0.0
 
 
 def begin_after_pool(after_pool: float, now: float, timeout: float | None) -> float | None:
@@ -198,6 +199,13 @@ class GridAverage:
         self.weight = float(sum(weights))
         self.completed += 1
         self.exact = self.exact and full
+
+    def next_has_late_groups(self, peers: int) -> bool:
+        """The next round has groups that form late: its keys are sharded (the pool), or they
+        do not split into full groups (a remainder waits out its matchmaking time). The round
+        after it must then wait for their members (``begin_after_pool``)."""
+        expected = math.ceil(peers / self.group_size ** len(self.coordinates))
+        return self.next_shards(peers) > 1 or expected % self.next_target(peers) != 0
 
     def next_shards(self, peers: int) -> int:
         """Shard keys of the next round (``shards_for`` its expected peers per key)."""

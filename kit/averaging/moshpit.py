@@ -63,7 +63,9 @@ async def grid_average(
             scheduled = begin_after_pool(after_pool, get_dht_time(), timeout)
             settings = averager.settings
             after_pool = pool_delay(
-                matchmaking.shards, settings.min_matchmaking_time, settings.request_timeout
+                grid.next_has_late_groups(peers),
+                settings.min_matchmaking_time,
+                settings.request_timeout,
             )
             result = await averager.step(
                 weight=grid.weight, timeout=timeout, scheduled_time=scheduled

@@ -196,7 +196,8 @@ def average_on_grid(
             shards = grid.next_shards(expected)
             averager.set_shards(shards)
             scheduled = begin_after_pool(after_pool, get_dht_time(), None)  # (the search waits)
-            after_pool = pool_delay(shards, matchmaking_time, settings.request_timeout)
+            late = grid.next_has_late_groups(expected)
+            after_pool = pool_delay(late, matchmaking_time, settings.request_timeout)
             result = _blocking_step(
                 averager,
                 tracker,
