@@ -11,7 +11,10 @@ float32 tensor of ``size-mb`` MB (1 MB = 1e6 bytes) filled with known values (``
 seed 1000 + i; ``const``: i + 1), so each can compute the exact float64 mean and the error after
 every round. Before a round each peer refills its tensor, passes a file barrier, then times
 ``step()``; the RoundResult splits the time into matchmaking and all-reduce. A round's time is the
-slowest peer's; "steady" means rounds 2..R.
+slowest peer's; "steady" means rounds 2..R. After each round the same processes run the plain-TCP
+references of ``tcp_reference.py`` (``--no-tcp-bound`` skips them): the bare copy of the round's
+bytes (``vs_tcp_bound``) and the least a correct butterfly does (``vs_tcp_butterfly``,
+``tcp_butterfly_vs_tcp_bound``: the machine's floor for any all-reduce; none and fp16 only).
 
 While the peers run, the launcher samples every 0.25 s the PSS of all peer processes (shared
 pages counted once) and the CPU time of ours and of every other process on the machine (the
@@ -26,7 +29,6 @@ Set ``KIT_LOG_LEVEL=DEBUG`` to have the peers log into ``peer_<i>.log`` in the r
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import os
@@ -38,6 +40,8 @@ import subprocess
 import sys
 import time
 from typing import Any
+
+from tcp_reference import BUTTERFLY_WIRE_DTYPES, WIRE_BYTES_PER_ELEMENT, TcpMesh
 
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -58,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--allreduce-timeout", type=float, default=180.0)
     parser.add_argument("--barrier-timeout", type=float, default=240.0)
     parser.add_argument("--deadline-s", type=float, default=460.0, help="limit for the whole run")
+    parser.add_argument(
+        "--part-size-bytes", type=int, default=None, help="bytes per streamed chunk (kit's default)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads in each peer")
     parser.add_argument("--hosts", default="", help="comma list of per-peer listen IPs")
     parser.add_argument("--netns-prefix", default="", help="run peer i in netns <prefix><i>")
@@ -125,124 +132,6 @@ def fill_values(args: argparse.Namespace, index: int, numel: int) -> Any:
     if args.fill == "const":
         return torch.full((numel,), float(index + 1))
     return torch.randn(numel, generator=torch.Generator().manual_seed(1000 + index))
-
-
-# --- plain TCP moving the same bytes between the same processes ------------------------------
-
-WIRE_BYTES_PER_ELEMENT = {
-    "none": 4,
-    "fp16": 2,
-    "scaledfp16": 2,
-    "uniform8bit": 1,
-    "quantile8bit": 1,
-    "blockwise8bit": 1,
-}
-
-
-class _Inbox(asyncio.BufferedProtocol):
-    """Plain TCP, the fastest way asyncio offers: the kernel writes into the final buffer."""
-
-    def __init__(self, mesh: TcpMesh) -> None:
-        self.mesh = mesh
-        self.hello = bytearray(4)  # the dialer's index comes first
-        self.view = memoryview(self.hello)
-        self.spare = bytearray(64)
-        self.filled = 0
-        self.done: asyncio.Future[None] | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport
-
-    def expect(self, view: memoryview) -> asyncio.Future[None]:
-        self.view, self.filled = view, 0
-        self.done = asyncio.get_running_loop().create_future()
-        return self.done
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        if self.filled == len(self.view):  # nothing expected now: never an empty buffer
-            return memoryview(self.spare)
-        return self.view[self.filled :]
-
-    def buffer_updated(self, nbytes: int) -> None:
-        if self.filled == len(self.view):
-            raise ConnectionError(f"{nbytes} bytes arrived outside a round")
-        self.filled += nbytes
-        if self.filled < len(self.view):
-            return
-        if self.view.obj is self.hello:
-            self.mesh.accepted(int.from_bytes(self.hello, "big"), self)
-        elif self.done is not None and not self.done.done():
-            self.done.set_result(None)
-
-
-class TcpMesh:
-    """Plain TCP between the same processes, moving the bytes of kit's round (``vs_tcp_bound``).
-
-    A butterfly all-reduce of ``M`` wire bytes per peer sends each other peer ``M/N`` (the part
-    it reduces) and gets ``M/N`` back (the average), and the same the other way: every pair of
-    peers exchanges ``2M/N`` bytes each way. Here each peer's own asyncio loop (one thread, the
-    loop kit uses: uvloop when installed), with one connection to every other peer made once,
-    sends exactly that to every other peer at once, the receivers reading straight into their
-    buffers (``p2p_throughput.py``'s plain TCP): no framing, no reduction, no codec, and no
-    waiting for a part's sum before its average goes back.
-    """
-
-    def __init__(self, run_dir: str, index: int, n: int, host: str, timeout: float) -> None:
-        from kit.runtime import Runtime
-
-        self.runtime = Runtime("tcp-bound")  # a loop of its own: kit's stays idle meanwhile
-        self.run_dir, self.index, self.n, self.host = run_dir, index, n, host
-        self.inboxes: dict[int, _Inbox] = {}
-        self._received: list[asyncio.Future[None]] = []
-        self.runtime.call(self._connect(timeout), timeout=timeout + 5)
-
-    def accepted(self, peer: int, inbox: _Inbox) -> None:
-        self.inboxes[peer] = inbox
-
-    async def _connect(self, timeout: float) -> None:
-        loop = asyncio.get_running_loop()
-        server = await loop.create_server(lambda: _Inbox(self), self.host, 0)
-        port = server.sockets[0].getsockname()[1]
-        write_json(os.path.join(self.run_dir, f"tcp_{self.index}.json"), [self.host, port])
-        for j in range(self.index):  # dial the lower indices; the higher ones dial us
-            path = os.path.join(self.run_dir, f"tcp_{j}.json")
-            await asyncio.to_thread(wait_for, [path], timeout, f"peer {j}'s TCP port")
-            host, peer_port = read_json(path)
-            transport, inbox = await loop.create_connection(lambda: _Inbox(self), host, peer_port)
-            transport.write(self.index.to_bytes(4, "big"))
-            inbox.view, inbox.filled = memoryview(inbox.hello), 4  # no hello from this side
-            self.inboxes[j] = inbox
-        give_up = loop.time() + timeout
-        while len(self.inboxes) < self.n - 1 and loop.time() < give_up:
-            await asyncio.sleep(0.005)
-        server.close()  # (asyncio and uvloop set TCP_NODELAY themselves)
-
-    def round(self, payload: memoryview, inbox: dict[int, bytearray], timeout: float) -> None:
-        """Send ``payload`` to every other peer and receive as much from each (all at once)."""
-
-        async def arm() -> list[asyncio.Future[None]]:
-            return [self.inboxes[j].expect(memoryview(inbox[j])) for j in self.inboxes]
-
-        async def exchange() -> None:
-            for peer in self.inboxes.values():
-                peer.transport.write(payload)  # type: ignore[attr-defined]
-            await asyncio.gather(*self._received)
-            self._received = await arm()  # before anyone can begin the next round
-
-        self.runtime.call(exchange(), timeout=timeout)
-
-    def arm(self, inbox: dict[int, bytearray], timeout: float) -> None:
-        """Where each peer's bytes go (call before the barrier of the first round)."""
-
-        async def arm() -> list[asyncio.Future[None]]:
-            return [self.inboxes[j].expect(memoryview(inbox[j])) for j in self.inboxes]
-
-        self._received = self.runtime.call(arm(), timeout=timeout)
-
-    def close(self) -> None:
-        for inbox in self.inboxes.values():
-            inbox.transport.close()
-        self.runtime.shutdown()
 
 
 def start_profile(round_index: int) -> Any:
@@ -326,6 +215,7 @@ def run_peer(args: argparse.Namespace) -> None:
         request_timeout=args.request_timeout,
         allreduce_timeout=args.allreduce_timeout,
         compression=make_codec(args.compression),
+        **({"part_size_bytes": args.part_size_bytes} if args.part_size_bytes else {}),
     )
     result["averager_start_s"] = round(time.perf_counter() - t0, 3)
     mesh = TcpMesh(run_dir, i, n, host, args.barrier_timeout) if args.tcp_bound else None
@@ -333,8 +223,7 @@ def run_peer(args: argparse.Namespace) -> None:
     pair_bytes = 2 * (numel * WIRE_BYTES_PER_ELEMENT[args.compression] // n)
     payload = memoryview(bytearray(b"\1" * pair_bytes))
     inbox = {j: bytearray(b"\0" * pair_bytes) for j in range(n) if j != i}
-    if mesh is not None:
-        mesh.arm(inbox, args.barrier_timeout)
+    work = own.clone() if args.compression in BUTTERFLY_WIRE_DTYPES else None
     try:
         barrier(run_dir, "ready", i, n, args.barrier_timeout)
         for r in range(args.rounds):
@@ -380,14 +269,7 @@ def run_peer(args: argparse.Namespace) -> None:
                 record.update(matchmaking_s=round(total, 4), allreduce_s=None, error=error)
                 result["errors"].append(error)
             if mesh is not None:  # right after kit's round, in the same conditions
-                barrier(run_dir, f"tcp{r}", i, n, args.barrier_timeout)
-                record["tcp_wall_start"] = time.time()
-                cpu0, t0 = os.times(), time.perf_counter()
-                mesh.round(payload, inbox, args.allreduce_timeout)
-                record["tcp_s"] = round(time.perf_counter() - t0, 4)
-                cpu1 = os.times()
-                record["tcp_user_s"] = round(cpu1.user - cpu0.user, 3)
-                record["tcp_sys_s"] = round(cpu1.system - cpu0.system, 3)
+                record.update(run_references(args, mesh, r, payload, inbox, work, own, expected))
             result["rounds"].append(record)
         result["statistics"] = {
             k: v for k, v in averager.statistics().items() if not isinstance(v, dict)
@@ -407,6 +289,40 @@ def run_peer(args: argparse.Namespace) -> None:
         dht.shutdown()
         result["shutdown_s"] = round(time.perf_counter() - t0, 3)
         write_json(os.path.join(run_dir, f"peer_{i}.json"), result)
+
+
+def run_references(
+    args: argparse.Namespace,
+    mesh: TcpMesh,
+    r: int,
+    payload: memoryview,
+    inbox: dict[int, bytearray],
+    work: Any,
+    own: Any,
+    expected: Any,
+) -> dict[str, Any]:
+    """Round ``r`` of the plain-TCP references (``tcp_reference.py``): wall and CPU seconds."""
+    timeout, record = args.allreduce_timeout, {}
+    for name in ("tcp", "butterfly") if work is not None else ("tcp",):
+        if name == "tcp":
+            mesh.arm_copy(inbox, args.barrier_timeout)
+        else:
+            work.copy_(own)
+            mesh.arm_butterfly(work, args.compression, args.barrier_timeout)
+        barrier(args.run_dir, f"{name}{r}", args.index, args.peers, args.barrier_timeout)
+        record[f"{name}_wall_start"] = time.time()
+        cpu0, t0 = os.times(), time.perf_counter()
+        if name == "tcp":
+            mesh.copy_round(payload, timeout)
+        else:
+            mesh.butterfly_round(timeout)
+        record[f"{name}_s"] = round(time.perf_counter() - t0, 4)
+        cpu1 = os.times()
+        record[f"{name}_user_s"] = round(cpu1.user - cpu0.user, 3)
+        record[f"{name}_sys_s"] = round(cpu1.system - cpu0.system, 3)
+    if work is not None:
+        record["butterfly_max_abs_err"] = float((work.double() - expected).abs().max())
+    return record
 
 
 # --- the launcher: processes, CPU and memory accounting -------------------------------------
@@ -652,10 +568,18 @@ def run_launcher(args: argparse.Namespace, argv: list[str]) -> int:
                 "per_peer_total_s": [x["total_s"] for x in records],
                 "minor_faults": sum(x.get("minor_faults") or 0 for x in records),
                 "tcp_s": max((x.get("tcp_s") or 0) for x in records) or None,
+                "butterfly_s": max((x.get("butterfly_s") or 0) for x in records) or None,
+                "butterfly_max_abs_err": max(
+                    (x.get("butterfly_max_abs_err") or 0 for x in records), default=None
+                ),
                 # CPU seconds of all peers (user, system): kit's round, then TCP's
                 "cpu_user_sys_s": [
                     round(sum(x.get(k) or 0 for x in records), 3)
                     for k in ("user_s", "sys_s", "tcp_user_s", "tcp_sys_s")
+                ],
+                "butterfly_cpu_user_sys_s": [
+                    round(sum(x.get(k) or 0 for x in records), 3)
+                    for k in ("butterfly_user_s", "butterfly_sys_s")
                 ],
             }
         )
@@ -668,6 +592,11 @@ def run_launcher(args: argparse.Namespace, argv: list[str]) -> int:
     # share the machine's load of that moment.
     ratios = [x["allreduce_s"] / x["tcp_s"] for x in steady if x["tcp_s"]]
     round_ratios = [x["round_s"] / x["tcp_s"] for x in steady if x["tcp_s"]]
+    # The least a correct butterfly does (sums, codec, pipelining) over the same TCP: kit's
+    # overhead is allreduce_s / butterfly_s; the machine's floor for any all-reduce is
+    # butterfly_s / tcp_s.
+    vs_butterfly = [x["allreduce_s"] / x["butterfly_s"] for x in steady if x["butterfly_s"]]
+    floor = [x["butterfly_s"] / x["tcp_s"] for x in steady if x["butterfly_s"] and x["tcp_s"]]
     cpu_rounds = None
     windows = [w for w in (sampler.window(x["wall_start"], x["wall_end"]) for x in steady) if w]
     if windows:
@@ -714,6 +643,12 @@ def run_launcher(args: argparse.Namespace, argv: list[str]) -> int:
         * (nbytes // 4 * WIRE_BYTES_PER_ELEMENT[args.compression] // n),
         "vs_tcp_bound": round(statistics.median(ratios), 3) if ratios else None,
         "round_vs_tcp_bound": round(statistics.median(round_ratios), 3) if round_ratios else None,
+        "steady_tcp_butterfly_s": summary([x["butterfly_s"] for x in steady if x["butterfly_s"]]),
+        "vs_tcp_butterfly": round(statistics.median(vs_butterfly), 3) if vs_butterfly else None,
+        "tcp_butterfly_vs_tcp_bound": round(statistics.median(floor), 3) if floor else None,
+        "tcp_butterfly_max_abs_err": max(
+            (x["butterfly_max_abs_err"] or 0 for x in per_round), default=None
+        ),
         "max_abs_err": max((x["max_abs_err"] for x in per_round), default=None),
         "rmse_max": max((x["rmse_max_over_peers"] for x in per_round), default=None),
         # whole parts left at a peer's own values; a few equal elements can happen by rounding

@@ -1,0 +1,254 @@
+"""Plain-TCP references for ``allreduce.py``, run by the same peer processes right after kit's round.
+
+Two references, both over one plain TCP connection per pair of peers, made once, on an asyncio loop
+of their own (the loop kit uses: uvloop when installed), receivers reading straight into their
+final buffers (``asyncio.BufferedProtocol``):
+
+- ``copy_round`` (``vs_tcp_bound``): every peer sends every other peer the bytes of kit's round,
+  all at once: no framing, no reduction, no codec, no waiting for a part's sum before its average
+  goes back. The time the wire and the kernel need, and nothing else.
+- ``butterfly_round`` (``vs_tcp_butterfly``): the least a correct butterfly all-reduce
+  (DeDLOC's, Diskin et al. 2021, §3.2) does on top of that: encode the parts, sum each part's
+  contributions chunk by chunk as they arrive (pipelined), send each chunk's average back as soon
+  as it is summed, decode the averages into the tensor. No protocol at all: no headers, no
+  validation, no failure handling, no matchmaking. What remains between it and ``copy_round`` is
+  the arithmetic and memory traffic any all-reduce must do on this machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the launcher imports this module too, and has no use for torch
+    import torch
+
+#: Wire bytes per float32 element of each codec the butterfly reference implements.
+WIRE_BYTES_PER_ELEMENT = {
+    "none": 4,
+    "fp16": 2,
+    "scaledfp16": 2,
+    "uniform8bit": 1,
+    "quantile8bit": 1,
+    "blockwise8bit": 1,
+}
+BUTTERFLY_WIRE_DTYPES = {"none": "float32", "fp16": "float16"}  # codecs the butterfly implements
+REDUCE_CHUNK = 2**18  # elements summed and sent back at once: 1 MB of float32
+
+
+def _write_json(path: str, value: Any) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(value, f)
+    os.replace(path + ".tmp", path)
+
+
+def _wait_for(path: str, timeout: float, what: str) -> None:
+    give_up = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > give_up:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.002)
+
+
+class _Inbox(asyncio.BufferedProtocol):
+    """One connection's receiving side: fills a list of buffers, one after the other."""
+
+    def __init__(self, mesh: TcpMesh) -> None:
+        self.mesh = mesh
+        self.hello = bytearray(4)  # the dialer's index comes first
+        self.segments: list[memoryview] = [memoryview(self.hello)]
+        self.segment, self.filled, self.received = 0, 0, 0
+        self.spare = bytearray(64)
+        self.on_data: Callable[[], None] | None = None
+        self.done: asyncio.Future[None] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def expect(
+        self, segments: list[memoryview], on_data: Callable[[], None] | None = None
+    ) -> asyncio.Future[None]:
+        self.segments, self.segment, self.filled, self.received = segments, 0, 0, 0
+        self.on_data = on_data
+        self.done = asyncio.get_running_loop().create_future()
+        return self.done
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self.segment == len(self.segments):  # nothing expected now: never an empty buffer
+            return memoryview(self.spare)
+        return self.segments[self.segment][self.filled :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.segment == len(self.segments):
+            raise ConnectionError(f"{nbytes} bytes arrived outside a round")
+        self.filled += nbytes
+        self.received += nbytes
+        if self.filled == len(self.segments[self.segment]):
+            self.segment, self.filled = self.segment + 1, 0
+        if self.segments[0].obj is self.hello:
+            if self.segment == 1:
+                self.mesh.accepted(int.from_bytes(self.hello, "big"), self)
+            return
+        if self.on_data is not None:
+            self.on_data()
+        if self.segment == len(self.segments) and self.done is not None and not self.done.done():
+            self.done.set_result(None)
+
+
+class TcpMesh:
+    """One plain TCP connection between every pair of peer processes, and the two references."""
+
+    def __init__(self, run_dir: str, index: int, n: int, host: str, timeout: float) -> None:
+        from kit.runtime import Runtime
+
+        self.runtime = Runtime("tcp-bound")  # a loop of its own: kit's stays idle meanwhile
+        self.run_dir, self.index, self.n, self.host = run_dir, index, n, host
+        self.inboxes: dict[int, _Inbox] = {}
+        self._armed: list[asyncio.Future[None]] = []
+        self._butterfly: _Butterfly | None = None
+        self.runtime.call(self._connect(timeout), timeout=timeout + 5)
+
+    def accepted(self, peer: int, inbox: _Inbox) -> None:
+        self.inboxes[peer] = inbox
+
+    async def _connect(self, timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(lambda: _Inbox(self), self.host, 0)
+        port = server.sockets[0].getsockname()[1]
+        _write_json(os.path.join(self.run_dir, f"tcp_{self.index}.json"), [self.host, port])
+        for j in range(self.index):  # dial the lower indices; the higher ones dial us
+            path = os.path.join(self.run_dir, f"tcp_{j}.json")
+            await asyncio.to_thread(_wait_for, path, timeout, f"peer {j}'s TCP port")
+            with open(path) as f:
+                host, peer_port = json.load(f)
+            transport, inbox = await loop.create_connection(lambda: _Inbox(self), host, peer_port)
+            transport.write(self.index.to_bytes(4, "big"))
+            inbox.segment = 1  # no hello from this side
+            self.inboxes[j] = inbox
+        give_up = loop.time() + timeout
+        while len(self.inboxes) < self.n - 1 and loop.time() < give_up:
+            await asyncio.sleep(0.005)
+        server.close()  # (asyncio and uvloop set TCP_NODELAY themselves)
+
+    # --- copy: the bytes of kit's round and nothing else -------------------------------------
+
+    def arm_copy(self, inbox: dict[int, bytearray], timeout: float) -> None:
+        """Where each peer's bytes go; call before the barrier that starts the round."""
+
+        async def arm() -> list[asyncio.Future[None]]:
+            return [self.inboxes[j].expect([memoryview(inbox[j])]) for j in self.inboxes]
+
+        self._armed = self.runtime.call(arm(), timeout=timeout)
+
+    def copy_round(self, payload: memoryview, timeout: float) -> None:
+        """Send ``payload`` to every other peer and receive as much from each (all at once)."""
+
+        async def exchange() -> None:
+            for peer in self.inboxes.values():
+                peer.transport.write(payload)  # type: ignore[attr-defined]
+            await asyncio.gather(*self._armed)
+
+        self.runtime.call(exchange(), timeout=timeout)
+
+    # --- butterfly: the least a correct all-reduce does -------------------------------------
+
+    def arm_butterfly(self, work: torch.Tensor, codec: str, timeout: float) -> None:
+        """Average ``work`` (flat float32, refilled by the caller) in the next butterfly round."""
+        self._butterfly = _Butterfly(self, work, codec)
+        self._armed = self.runtime.call(self._butterfly.arm(), timeout=timeout)
+
+    def butterfly_round(self, timeout: float) -> None:
+        assert self._butterfly is not None, "arm_butterfly first"
+        butterfly = self._butterfly
+
+        async def run() -> None:
+            butterfly.send_parts()
+            await asyncio.gather(*self._armed)
+            butterfly.decode_averages()
+
+        self.runtime.call(run(), timeout=timeout)
+
+    def close(self) -> None:
+        for inbox in self.inboxes.values():
+            inbox.transport.close()
+        self.runtime.shutdown()
+
+
+class _Butterfly:
+    """One round of a pipelined butterfly over the mesh: peer ``k`` reduces the ``k``-th part."""
+
+    def __init__(self, mesh: TcpMesh, work: torch.Tensor, codec: str) -> None:
+        import torch
+
+        self.mesh, self.work, self.n, self.me = mesh, work, mesh.n, mesh.index
+        self.wire = getattr(torch, BUTTERFLY_WIRE_DTYPES[codec])
+        numel = work.numel()
+        self.bounds = [(k * numel // self.n, (k + 1) * numel // self.n) for k in range(self.n)]
+        start, end = self.bounds[self.me]
+        self.mine = work[start:end]
+        self.contributions: dict[int, torch.Tensor] = {}
+        self.averages: dict[int, torch.Tensor] = {}  # wire-typed landing buffers
+        self.reduced = 0  # elements of my part summed and sent back
+        self.parts_sent = False  # averages follow the parts on each connection, never precede
+
+    async def arm(self) -> list[asyncio.Future[None]]:
+        import torch
+
+        futures = []
+        for j, inbox in self.mesh.inboxes.items():
+            contribution = torch.empty(self.mine.numel(), dtype=self.wire)
+            start, end = self.bounds[j]
+            if self.wire == self.work.dtype:  # averages land in the tensor itself
+                average = self.work[start:end]
+            else:
+                average = torch.empty(end - start, dtype=self.wire)
+            self.contributions[j], self.averages[j] = contribution, average
+            segments = [_bytes_of(contribution), _bytes_of(average)]
+            futures.append(inbox.expect(segments, self.reduce_ready))
+        return futures
+
+    def send_parts(self) -> None:
+        for j, inbox in self.mesh.inboxes.items():
+            start, end = self.bounds[j]
+            part = self.work[start:end].to(self.wire)  # a view when nothing is encoded
+            inbox.transport.write(_bytes_of(part))  # type: ignore[attr-defined]
+        self.parts_sent = True
+        self.reduce_ready()  # what arrived before this peer's parts went out
+
+    def reduce_ready(self) -> None:
+        """Sum and send back every whole chunk of my part that all contributors have sent."""
+        if not self.parts_sent:
+            return
+        itemsize = self.wire.itemsize
+        ready = min(
+            (inbox.received // itemsize for inbox in self.mesh.inboxes.values()),
+            default=self.mine.numel(),
+        )
+        ready = min(ready, self.mine.numel())
+        while self.reduced < ready and (
+            ready - self.reduced >= REDUCE_CHUNK or ready == self.mine.numel()
+        ):
+            start = self.reduced
+            end = min(start + REDUCE_CHUNK, ready)
+            total = self.mine[start:end]
+            for contribution in self.contributions.values():
+                total.add_(contribution[start:end])
+            total.mul_(1.0 / self.n)
+            back = _bytes_of(total.to(self.wire))
+            for inbox in self.mesh.inboxes.values():
+                inbox.transport.write(back)  # type: ignore[attr-defined]
+            self.reduced = end
+
+    def decode_averages(self) -> None:
+        for j, average in self.averages.items():
+            start, end = self.bounds[j]
+            if average.data_ptr() != self.work[start:end].data_ptr():
+                self.work[start:end].copy_(average)
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.numpy()).cast("B")
