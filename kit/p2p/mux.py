@@ -12,7 +12,7 @@ a 100-byte DHT request do not wait for each other. Each stream has:
 Limits (:class:`~kit.p2p.options.MuxLimits`) protect a peer from its peers: at most
 ``max_inbound_streams`` concurrent streams opened
 by the remote side (more are refused with RESET "refused"; a peer that keeps opening after
-``max_refused`` refusals is disconnected), frames no larger than announced, protocol names short.
+``max_refused`` refusals in a row is disconnected), frames no larger than announced, protocol names short.
 Windows bound a stream, not the streams together: the connection's unread bytes are charged
 against ``connection_buffer`` (and a peer-wide :class:`~kit.p2p.budget.BufferLedger`); over it,
 the stream holding the most is reset with code ``memory`` (``shed``), and while a connection
@@ -334,7 +334,7 @@ class Mux:
             if self._refused > self.limits.max_refused:
                 raise TooManyStreams(
                     f"peer opened streams beyond the limit of {self.limits.max_inbound_streams} "
-                    f"{self._refused} times"
+                    f"{self._refused} times in a row"
                 )
             message = f"more than {self.limits.max_inbound_streams} concurrent streams"
             if full:
@@ -344,6 +344,9 @@ class Mux:
             )
             return [SendFrame(reset)]
         self._inbound_open += 1
+        # Refusals count in a row: an honest peer of a days-long run is refused now and then
+        # (a busy moment, a full connection) and must not be dropped for their sum.
+        self._refused = 0
         self._streams[stream_id] = self._new_record()
         return [StreamOpened(stream_id, protocol)]
 

@@ -23,7 +23,7 @@ class MuxLimits:
     )  # unconsumed bytes one stream may buffer here; raise for fast, far links
     max_frame: int = 1024**2  # largest DATA payload accepted (1-4 MiB measured fastest here)
     max_inbound_streams: int = 256  # concurrent streams the remote side may open
-    max_refused: int = 256  # refused stream openings tolerated before the peer is dropped
+    max_refused: int = 256  # refused stream openings in a row before the peer is dropped
     connection_buffer: int = 64 * 2**20  # unread bytes per connection; raise if "reset for memory"
 
     def __post_init__(self) -> None:

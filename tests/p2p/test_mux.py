@@ -137,6 +137,26 @@ def test_too_many_streams_refused_then_dropped() -> None:
         deliver(b, frame)
 
 
+def test_refusals_count_in_a_row_not_over_a_connections_life() -> None:
+    a, b = pair()
+    held = []
+    for _ in range(LIMITS.max_inbound_streams):
+        sid, frame = a.open_stream("p")
+        assert isinstance(deliver(b, frame)[0], StreamOpened)
+        held.append(sid)
+    for _ in range(4 * LIMITS.max_refused):  # a long run: busy moments between quiet ones
+        for _ in range(LIMITS.max_refused):
+            _, frame = a.open_stream("p")
+            assert isinstance(deliver(b, frame)[0], SendFrame)  # refused
+        closing = held.pop(0)
+        reset = a.reset_frame(closing, ResetCode.CANCELLED, "done")
+        assert reset is not None
+        deliver(b, reset)
+        sid, frame = a.open_stream("p")
+        assert isinstance(deliver(b, frame)[0], StreamOpened)
+        held.append(sid)
+
+
 def test_transition_table_is_complete_and_final_states_are_terminal() -> None:
     assert set(TRANSITIONS) == set(StreamState)
     assert TRANSITIONS[StreamState.CLOSED] == {} and TRANSITIONS[StreamState.RESET] == {}
