@@ -14,7 +14,7 @@ What is emulated, because code above p2p depends on it:
   first outgoing connection it is reachable by everyone, as if that connection held a relay
   reservation. (This is coarser than real relaying, on purpose.)
 * flow control: a stream is two bounded queues of messages; ``send_message`` waits while the
-  receiver's queue is full.
+  receiver's queue is full (``kit.p2p.memory_stream``).
 * failures: a shut-down peer raises ``PeerUnavailable`` for new calls and ``ConnectionLost`` for
   calls in flight; a handler's exception reaches the caller as ``RemoteError("handler_error",
   "<class name>: <message>")``, as with the websocket peer; every wait ends with ``KitTimeout``
@@ -25,6 +25,7 @@ What is emulated, because code above p2p depends on it:
 * links (optional): a :class:`LinkModel` (``kit.testing.links.SimulatedLinks``) gives every
   message a delivery time from the sender's uplink, the receiver's downlink and their latency;
   on a loop on virtual time (``kit.testing.virtual_time``) that is what simulated peers measure.
+  One stream's pipes, windows and delivery times are ``kit.p2p.memory_stream``.
 
 What is not emulated: message loss inside a connection, NAT, authentication.
 """
@@ -37,8 +38,8 @@ import contextlib
 import logging
 import os
 import weakref
-from collections.abc import Awaitable, Callable, Iterator, Sequence
-from typing import Any, Protocol
+from collections.abc import Awaitable, Iterator, Sequence
+from typing import Any
 
 from kit.errors import (
     ConfigError,
@@ -47,14 +48,13 @@ from kit.errors import (
     IdentityInUse,
     KitTimeout,
     KitUsageError,
-    LocalProtocolError,
     PeerUnavailable,
     RemoteError,
-    StreamReset,
     UnknownProtocol,
 )
 from kit.p2p.api import DEFAULT_MAX_MESSAGE, StreamHandler, UnaryHandler
 from kit.p2p.identity import Identity, IdentityLock, PeerID, load_identity
+from kit.p2p.memory_stream import LinkModel, MemoryStream, MessagePipe, deadline_in, time_left
 
 logger = logging.getLogger(__name__)
 
@@ -83,14 +83,6 @@ def parse_memory_address(address: str) -> PeerID:
         return PeerID.from_base58(address[len(MEMORY_SCHEME) :])
     except ValueError as e:
         raise ConfigError(f"{e} - help: copy the address from get_visible_addresses()") from None
-
-
-def _deadline(timeout: float | None) -> float | None:
-    return None if timeout is None else asyncio.get_running_loop().time() + timeout
-
-
-def _remaining(deadline: float | None) -> float | None:
-    return None if deadline is None else max(0.0, deadline - asyncio.get_running_loop().time())
 
 
 #: Codes of the ``RemoteError`` a caller gets, as ``kit.p2p.peer`` reports them.
@@ -150,26 +142,14 @@ class FaultyLink:
         if self.dropping:
             if deadline is None:
                 raise KitUsageError("a dropped link with no timeout would wait forever")
-            await asyncio.sleep(_remaining(deadline) or 0.0)
+            await asyncio.sleep(time_left(deadline) or 0.0)
             raise KitTimeout(f"no answer from {peer_id.short()} (dropped by FaultyLink)")
         if self.extra_delay > 0:
-            remaining = _remaining(deadline)
+            remaining = time_left(deadline)
             if remaining is not None and remaining < self.extra_delay:
                 await asyncio.sleep(remaining)
                 raise KitTimeout(f"no answer from {peer_id.short()} (delayed by FaultyLink)")
             await asyncio.sleep(self.extra_delay)
-
-
-class LinkModel(Protocol):
-    """When what one in-memory peer sends another gets there (see ``kit.testing.links``)."""
-
-    def transmit(
-        self, sender: PeerID, receiver: PeerID, nbytes: int, now: float
-    ) -> tuple[float, float]:
-        """(loop time the sender's uplink is done with the message, loop time it arrives)."""
-
-    def connect_delay(self, dialer: PeerID, target: PeerID) -> float:
-        """Seconds a new connection takes before its first message (handshakes)."""
 
 
 class MemoryNetwork:
@@ -240,132 +220,6 @@ class MemoryNetwork:
             other._connections.discard(peer.peer_id)
 
 
-class _Pipe:
-    """One direction of a stream: a bounded queue of messages plus end-of-stream / error state.
-
-    With a link model, a message is in flight until its delivery time (counted in the window,
-    as bytes in a TCP window are), and end-of-stream arrives after the last message.
-    """
-
-    def __init__(
-        self, window: int, links: LinkModel | None = None, route: tuple[PeerID, PeerID] | None = None
-    ) -> None:
-        self._items: collections.deque[bytes] = collections.deque()
-        self._window = window
-        self._links, self._route = links, route
-        self._in_flight = 0
-        self._closing = False
-        self._closed = False
-        self._error: BaseException | None = None
-        # One future per waiter, registered before awaiting, so no wake-up can be lost between
-        # a reader and a writer (an Event cleared by one side could hide the other's signal).
-        self._waiters: list[asyncio.Future[None]] = []
-
-    def _notify(self) -> None:
-        waiters, self._waiters = self._waiters, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
-
-    async def _wait(self, ready: Callable[[], bool], deadline: float | None, what: str) -> None:
-        while not ready():
-            waiter = asyncio.get_running_loop().create_future()
-            self._waiters.append(waiter)
-            try:
-                await asyncio.wait_for(waiter, _remaining(deadline))
-            except asyncio.TimeoutError:
-                raise KitTimeout(f"{what} timed out") from None
-
-    async def put(self, data: bytes, deadline: float | None) -> None:
-        if self._closed or self._closing:
-            raise LocalProtocolError("send_message after close() on this stream")
-        await self._wait(
-            lambda: self._error is not None or len(self._items) + self._in_flight < self._window,
-            deadline,
-            "send_message (the receiver is not reading)",
-        )
-        if self._error is not None:
-            raise self._error
-        if self._links is None or self._route is None:
-            self._items.append(data)
-            self._notify()
-            return
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        sent_at, arrives_at = self._links.transmit(*self._route, len(data), now)
-        self._in_flight += 1
-        loop.call_at(arrives_at, self._arrive, data)
-        if sent_at > now:  # the sender's uplink is busy with it (a full socket buffer)
-            await asyncio.sleep(sent_at - now)
-
-    def _arrive(self, data: bytes) -> None:
-        self._in_flight -= 1
-        if self._error is None:
-            self._items.append(data)
-            if self._closing and not self._in_flight:
-                self._closed = True
-        self._notify()
-
-    async def get(self, deadline: float | None) -> bytes | None:
-        await self._wait(
-            lambda: self._error is not None or bool(self._items) or self._closed,
-            deadline,
-            "receive_message",
-        )
-        if self._error is not None:
-            raise self._error
-        if self._items:
-            self._notify()  # wakes a sender waiting for room
-            return self._items.popleft()
-        return None
-
-    def close(self) -> None:
-        if self._in_flight:
-            self._closing = True  # end-of-stream follows the messages still on the wire
-        else:
-            self._closed = True
-        self._notify()
-
-    def fail(self, error: BaseException) -> None:
-        if self._error is None:
-            self._error = error
-            self._items.clear()
-        self._notify()
-
-
-class MemoryStream:
-    """One end of an in-memory stream (implements ``StreamAPI``)."""
-
-    def __init__(self, remote_peer: PeerID, protocol: str, inbound: _Pipe, outbound: _Pipe) -> None:
-        self.remote_peer = remote_peer
-        self.protocol = protocol
-        self._inbound = inbound
-        self._outbound = outbound
-
-    async def send_message(self, data: bytes | memoryview, *, timeout: float | None = None) -> None:
-        await self._outbound.put(bytes(data), _deadline(timeout))
-
-    async def receive_message(
-        self, *, max_size: int = DEFAULT_MAX_MESSAGE, timeout: float | None = None
-    ) -> bytes | None:
-        message = await self._inbound.get(_deadline(timeout))
-        if message is not None and len(message) > max_size:
-            self.reset("too_large", f"message of {len(message)} bytes > max_size {max_size}")
-            raise FrameTooLarge(f"stream message of {len(message)} bytes > max_size {max_size}")
-        return message
-
-    async def close(self) -> None:
-        self._outbound.close()
-
-    def reset(self, code: str = "cancelled", message: str = "") -> None:
-        self._outbound.fail(StreamReset(code, message))
-        self._inbound.fail(StreamReset(code, message))
-
-    def _fail(self, error: BaseException) -> None:
-        self._outbound.fail(error)
-        self._inbound.fail(error)
-
-
 class MemoryPeer:
     """An in-process peer of a :class:`MemoryNetwork` (implements ``kit.p2p.api.PeerAPI``).
 
@@ -433,7 +287,7 @@ class MemoryPeer:
     async def connect(self, address: str, *, timeout: float) -> PeerID:
         peer_id = parse_memory_address(address)
         self.add_address(peer_id, address)
-        await self._dial(peer_id, _deadline(timeout))
+        await self._dial(peer_id, deadline_in(timeout))
         return peer_id
 
     async def call(
@@ -445,7 +299,7 @@ class MemoryPeer:
         timeout: float,
         max_response: int = DEFAULT_MAX_MESSAGE,
     ) -> bytes:
-        deadline = _deadline(timeout)
+        deadline = deadline_in(timeout)
         target = await self._dial(peer_id, deadline)
         entry = target._unary.get(protocol)
         if entry is None:
@@ -461,7 +315,7 @@ class MemoryPeer:
         else:
             task = target._spawn(_over_links(links, self.peer_id, target.peer_id, handler, request))
         try:
-            done, _ = await asyncio.wait({task}, timeout=_remaining(deadline))
+            done, _ = await asyncio.wait({task}, timeout=time_left(deadline))
         except asyncio.CancelledError:
             task.cancel()
             raise
@@ -481,13 +335,13 @@ class MemoryPeer:
         return bytes(response)
 
     async def open_stream(self, peer_id: PeerID, protocol: str, *, timeout: float) -> MemoryStream:
-        target = await self._dial(peer_id, _deadline(timeout))
+        target = await self._dial(peer_id, deadline_in(timeout))
         handler = target._streaming.get(protocol)
         if handler is None:
             raise UnknownProtocol(UNKNOWN_PROTOCOL, f"{peer_id.short()} serves no {protocol!r}")
         window, links = self._network.stream_window, self._network.links
-        to_target = _Pipe(window, links, (self.peer_id, peer_id))
-        to_self = _Pipe(window, links, (peer_id, self.peer_id))
+        to_target = MessagePipe(window, links, (self.peer_id, peer_id))
+        to_self = MessagePipe(window, links, (peer_id, self.peer_id))
         ours = MemoryStream(peer_id, protocol, inbound=to_self, outbound=to_target)
         theirs = MemoryStream(self.peer_id, protocol, inbound=to_target, outbound=to_self)
         self._streams.add(ours)
@@ -504,7 +358,7 @@ class MemoryPeer:
         self._network._unregister(self)
         self._connections.clear()
         for stream in list(self._streams):
-            stream._fail(ConnectionLost(f"peer {self.peer_id.short()} shut down"))
+            stream.fail(ConnectionLost(f"peer {self.peer_id.short()} shut down"))
         current = asyncio.current_task()
         tasks = [task for task in self._tasks if task is not current]
         for task in tasks:
@@ -556,7 +410,7 @@ class MemoryPeer:
         links = self._network.links
         if links is not None and peer_id not in self._connections:
             delay = links.connect_delay(self.peer_id, peer_id)
-            remaining = _remaining(deadline)
+            remaining = time_left(deadline)
             if remaining is not None and remaining < delay:
                 await asyncio.sleep(remaining)
                 raise KitTimeout(f"connecting to {peer_id.short()} timed out (simulated link)")
@@ -591,10 +445,10 @@ async def _serve_stream(handler: StreamHandler, stream: MemoryStream) -> None:
     try:
         await handler(stream)
     except asyncio.CancelledError:
-        stream._fail(ConnectionLost("the serving peer shut down"))
+        stream.fail(ConnectionLost("the serving peer shut down"))
         raise
     except Exception as e:  # the handler failed: the remote side learns it as RemoteError
-        stream._fail(_as_remote_error(e))
+        stream.fail(_as_remote_error(e))
         logger.debug("stream handler for %r failed", stream.protocol, exc_info=True)
     else:
         await stream.close()

@@ -1,8 +1,8 @@
 """Simulated Internet links for in-process peers: per-peer bandwidth and latency.
 
 Holds :class:`LinkProfile` (one peer's access link) and :class:`SimulatedLinks` (the
-``kit.p2p.memory.LinkModel`` of a ``MemoryNetwork``: it gives each message the time the two
-access links would take, and counts messages and bytes per peer). Used under
+``kit.p2p.memory_stream.LinkModel`` of a ``MemoryNetwork``: it gives each message the time the
+two access links would take, and counts messages and bytes per peer). Used under
 ``kit.testing.virtual_time``, simulated time is then what the links give, not what one CPU can
 compute; under a real loop it slows a test down to those links.
 
