@@ -26,7 +26,8 @@ safetensors + JSON and validated before use.
 
 On the Hub the repo's root always holds the newest checkpoint (so ``from_pretrained(repo)`` gets
 the latest model), and its history is the series: each push is one commit titled
-``"step 120, loss 3.2100"`` (``checkpoint_format.commit_title``).
+``"step 120, loss 3.2100"`` (``checkpoint_format.commit_title``). The uploads and downloads
+themselves are ``checkpoint_hub``'s.
 """
 
 from __future__ import annotations
@@ -43,20 +44,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tqdm.auto import tqdm
-
-from kit.errors import (
-    CheckpointError,
-    CheckpointRestoreFailed,
-    KitUsageError,
-    MalformedTrainingState,
-)
+from kit.errors import CheckpointError, KitUsageError, MalformedTrainingState
 from kit.training.checkpoint_format import (
     CHECKPOINT_FOLDER_FORMAT,
-    CHECKPOINT_INFO_FILE,
-    commit_title,
     read_checkpoint_info,
     write_checkpoint_info,
+)
+from kit.training.checkpoint_hub import (
+    download_checkpoint,
+    hub_hint,
+    push_checkpoint,
+    short_error,
 )
 from kit.training.training_state import (
     TRAINING_STATE_JSON,
@@ -395,8 +393,8 @@ class CheckpointManager:
                 "could not push step %d to the Hub repo %s: %s - help: %s (retrying in %.0f s)",
                 step,
                 self.config.hub_repo,
-                _short(exc),
-                _push_hint(exc),
+                short_error(exc),
+                hub_hint(exc),
                 retry,
             )
             logger.debug("push failure details", exc_info=True)
@@ -412,7 +410,7 @@ class CheckpointManager:
         return step
 
     def _push(self, step: int, folder: Path) -> None:
-        from huggingface_hub import CommitOperationAdd, HfApi
+        from huggingface_hub import HfApi
 
         repo = self.config.hub_repo
         assert repo is not None  # checked by maybe_push
@@ -420,36 +418,7 @@ class CheckpointManager:
         if not self._repo_created:
             api.create_repo(repo, repo_type="model", exist_ok=True)
             self._repo_created = True
-        info = read_checkpoint_info(folder)
-        files = sorted(
-            path
-            for path in folder.rglob("*")
-            if path.is_file() and not path.relative_to(folder).as_posix().startswith(".")
-        )
-        operations = [
-            CommitOperationAdd(path.relative_to(folder).as_posix(), str(path)) for path in files
-        ]
-        started = time.monotonic()
-        total = sum(path.stat().st_size for path in files)
-        # One file at a time, so the bar moves as the large weights upload (LFS/Xet on the Hub).
-        with tqdm(total=total, unit="B", unit_scale=True, desc=f"pushing step {step}") as bar:
-            for operation, path in zip(operations, files, strict=True):
-                api.preupload_lfs_files(repo, additions=[operation], repo_type="model")
-                bar.update(path.stat().st_size)
-        commit = api.create_commit(
-            repo,
-            operations=operations,
-            commit_message=commit_title(step, info.get("loss")),
-            commit_description=f"run config hash: {info.get('config_hash') or 'not recorded'}",
-            repo_type="model",
-        )
-        logger.info(
-            "pushed step %d to %s in %.1f s (%s)",
-            step,
-            repo,
-            time.monotonic() - started,
-            getattr(commit, "commit_url", ""),
-        )
+        push_checkpoint(api, repo, step, folder)
 
     # --- restart -------------------------------------------------------------------------------
 
@@ -523,40 +492,13 @@ class CheckpointManager:
         )
 
     def _download_latest(self) -> Path | None:
-        from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import RepositoryNotFoundError
-
         repo = self.config.hub_repo
         assert repo is not None  # checked by restore
         staging = self.root / STAGING_FOLDER
         staging.mkdir(parents=True, exist_ok=True)
         building = Path(tempfile.mkdtemp(prefix="download.", dir=staging))
         try:
-            try:
-                snapshot_download(
-                    repo,
-                    repo_type="model",
-                    local_dir=building,
-                    token=self._token,
-                    endpoint=self._endpoint,
-                )
-            except RepositoryNotFoundError:
-                logger.warning(
-                    "Hub repo %s does not exist (or this token may not see it): starting a fresh "
-                    "run - help: if the run has checkpoints there, pass a token that can read it",
-                    repo,
-                )
-                return None
-            except Exception as exc:
-                raise CheckpointRestoreFailed(
-                    f"could not download the newest checkpoint from {repo}: {_short(exc)} - "
-                    f"help: {_push_hint(exc)}; or set checkpoint.hub_repo to null to start "
-                    "from scratch"
-                ) from exc
-            _remove_tree(building / ".cache")
-            (building / ".gitattributes").unlink(missing_ok=True)
-            if not (building / CHECKPOINT_INFO_FILE).exists():
-                logger.info("Hub repo %s holds no checkpoint yet: starting a fresh run", repo)
+            if not download_checkpoint(repo, building, token=self._token, endpoint=self._endpoint):
                 return None
             step = read_checkpoint_info(building)["step"]
             final = self.root / CHECKPOINT_FOLDER_FORMAT.format(step=step)
@@ -565,23 +507,3 @@ class CheckpointManager:
             return final
         finally:
             _remove_tree(building)
-
-
-def _short(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
-
-
-def _push_hint(exc: BaseException) -> str:
-    """What the organizer should do about a failed Hub call, from its HTTP status."""
-    status = getattr(getattr(exc, "response", None), "status_code", None)
-    if status == 401:
-        return "the Hub does not know this token; pass a valid one (hf.co/settings/tokens)"
-    if status == 403:
-        return (
-            "this token may not write to checkpoint.hub_repo; use a token with the 'write' role "
-            "that belongs to the repo's owner or to a member of its organization"
-        )
-    if status == 429:
-        return "the Hub rate-limits you; raise checkpoint.push_every_minutes"
-    return "check the network and HF_ENDPOINT; the Hub may be down"
