@@ -1,206 +1,58 @@
-"""The coordinator's checkpoints of the shared model: save, prune, push to the Hub, restore.
+"""The coordinator's checkpoints of the shared model: when to save, prune, push, what to restore.
 
-Holds :func:`save_checkpoint` (one checkpoint folder, written atomically; its optimizer and
-scheduler state are written and read back without pickle by ``training_state``) and :class:`CheckpointManager` (when to save, how many to
-keep, when to push, what to restore after a restart). It does not decide *what* the state is
-(the coordinator downloads it from peers) nor evaluate checkpoints (``kit.evaluation``).
+Holds :class:`CheckpointManager` (when to save, how many to keep, when to push, what to restore
+after a restart). Its parts: one folder on disk, written atomically (``checkpoint_folder``:
+:func:`save_checkpoint`, re-exported here), in the series format of ``checkpoint_format``; the
+uploads and downloads (``checkpoint_hub``). It does not decide *what* the state is (the
+coordinator downloads it from peers) nor evaluate checkpoints (``kit.evaluation``).
 
-One checkpoint is one folder, in the series format of ``checkpoint_format`` (which
-``kit.evaluation.checkpoints`` lists)::
-
-    <checkpoint.folder>/
-        step_000120/
-            config.json, model.safetensors   model.save_pretrained(folder)
-            training_state.safetensors       every optimizer/scheduler tensor, by a stable name
-            training_state.json              the rest of their structure, step, loss, time, hash
-            tokenizer.json ...               copied from the run's tokenizer folder, if given
-            kit_checkpoint.json              {"step": 120, "loss": 3.21, ...} (written last)
-        .incomplete/                         folders being written or deleted; never listed
-
-A folder is built under ``.incomplete/`` and renamed into place in one ``os.replace``, so a crash
-mid-save leaves nothing that :meth:`CheckpointManager.latest` or ``kit.evaluate`` would pick up
-(sahajBERT's coordinator wrote in place, and a kill during ``save_pretrained`` left a torn
-checkpoint behind). Nothing is unpickled: hivemind's ``optimizer_state.pt`` needs ``torch.load``,
-which runs code from whoever wrote the file; here a checkpoint downloaded from the Hub is
-safetensors + JSON and validated before use.
+Nothing is unpickled: hivemind's ``optimizer_state.pt`` needs ``torch.load``, which runs code
+from whoever wrote the file; here a checkpoint downloaded from the Hub is safetensors + JSON
+(``training_state``) and validated before use.
 
 On the Hub the repo's root always holds the newest checkpoint (so ``from_pretrained(repo)`` gets
 the latest model), and its history is the series: each push is one commit titled
-``"step 120, loss 3.2100"`` (``checkpoint_format.commit_title``). The uploads and downloads
-themselves are ``checkpoint_hub``'s.
+``"step 120, loss 3.2100"`` (``checkpoint_format.commit_title``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
-import shutil
 import tempfile
 import threading
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kit.errors import CheckpointError, KitUsageError, MalformedTrainingState
-from kit.training.checkpoint_format import (
-    CHECKPOINT_FOLDER_FORMAT,
-    read_checkpoint_info,
-    write_checkpoint_info,
+from kit.errors import CheckpointError, MalformedTrainingState
+from kit.training.checkpoint_folder import (
+    STAGING_FOLDER,
+    complete_checkpoints,
+    fsync_tree,
+    publish_folder,
+    remove_tree,
+    save_checkpoint,
 )
+from kit.training.checkpoint_format import CHECKPOINT_FOLDER_FORMAT, read_checkpoint_info
 from kit.training.checkpoint_hub import (
     download_checkpoint,
     hub_hint,
     push_checkpoint,
     short_error,
 )
-from kit.training.training_state import (
-    TRAINING_STATE_JSON,
-    SavedTrainingState,
-    load_training_state,
-    write_training_state,
-)
+from kit.training.training_state import SavedTrainingState, load_training_state
 
 if TYPE_CHECKING:
     from kit.config import CheckpointConfig, RunConfig
 
 logger = logging.getLogger(__name__)
 
-#: Where folders are built before they are renamed into place (and moved to before deletion).
-STAGING_FOLDER = ".incomplete"
 #: A failed push is retried after at most this many seconds (or push_every_minutes if shorter).
 PUSH_RETRY_SECONDS = 60.0
 
-_FOLDER_NAME = re.compile(r"^step_(\d+)$")
 CORRUPT_SUFFIX = ".corrupt"  # a checkpoint restore could not read is renamed step_XXXXXX.corrupt
-
-# --- one checkpoint folder --------------------------------------------------------------------
-
-
-def save_checkpoint(
-    folder_root: str | os.PathLike[str],
-    step: int,
-    model: Any,
-    optimizer_state: Mapping[str, Any],
-    scheduler_state: Mapping[str, Any] | None,
-    *,
-    loss: float | None,
-    run_config: RunConfig | None,
-    tokenizer_dir: str | os.PathLike[str] | None = None,
-    now: float | None = None,
-) -> Path:
-    """Write ``<folder_root>/step_{step:06d}/`` atomically and return its path.
-
-    The folder is built under ``<folder_root>/.incomplete/`` and renamed into place, replacing an
-    older save of the same step. Blocking (seconds for a large model): from asyncio, run it in an
-    executor. The optimizer must not step while this runs (pass a copy if it might).
-
-    Args:
-        folder_root: the checkpoint folder (``checkpoint.folder`` of the run config).
-        step: the global optimizer step of this state (>= 0).
-        model: a ``transformers`` model; saved with ``save_pretrained`` (safetensors).
-        optimizer_state: ``optimizer.state_dict()``: nested dicts/lists of tensors and scalars.
-        scheduler_state: ``scheduler.state_dict()``, or None without a scheduler.
-        loss: the swarm's mean training loss at ``step``; None (or NaN) if unknown.
-        run_config: the run's config, whose ``config_hash()`` is recorded; None to skip.
-        tokenizer_dir: a ``tokenizer.save_pretrained`` folder whose files are copied in.
-        now: ``time.time()`` of the save, recorded in the JSON files (default: read the clock).
-
-    Returns:
-        The final checkpoint folder.
-
-    Raises:
-        KitUsageError: the state holds values that are not tensors or plain data.
-        OSError: the disk is full or the folder is not writable.
-    """
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise KitUsageError(f"step must be an int >= 0, got {step!r} help: pass the global step")
-    root = Path(folder_root).expanduser()
-    staging = root / STAGING_FOLDER
-    staging.mkdir(parents=True, exist_ok=True)
-    final = root / CHECKPOINT_FOLDER_FORMAT.format(step=step)
-    building = Path(tempfile.mkdtemp(prefix=final.name + ".", dir=staging))
-    saved_at = time.time() if now is None else now
-    config_hash = run_config.config_hash() if run_config is not None else None
-    try:
-        model.save_pretrained(building)
-        write_training_state(
-            building, step, optimizer_state, scheduler_state, loss, saved_at, config_hash
-        )
-        if tokenizer_dir is not None:
-            _copy_tokenizer(Path(tokenizer_dir), building)
-        # Written last: a folder with this file is complete (evaluation lists folders by it).
-        write_checkpoint_info(
-            building, step=step, loss=loss, time=saved_at, config_hash=config_hash
-        )
-        _fsync_tree(building)
-        _publish(building, final, staging)
-    except BaseException:
-        _remove_tree(building)
-        raise
-    logger.info("saved checkpoint of step %d to %s", step, final)
-    return final
-
-
-def _copy_tokenizer(source: Path, folder: Path) -> None:
-    if not source.is_dir():
-        raise CheckpointError(
-            f"tokenizer folder {source} does not exist - help: pass the folder written by "
-            "tokenizer.save_pretrained(...), or tokenizer_dir=None"
-        )
-    for file in sorted(source.iterdir()):
-        if file.is_file() and not (folder / file.name).exists():  # never replace model files
-            shutil.copy2(file, folder / file.name)
-
-
-def _fsync_tree(folder: Path) -> None:
-    """Flush the files to disk before the rename makes them visible (a power cut otherwise can
-    leave a renamed folder of empty files on ext4 with delayed allocation)."""
-    for file in folder.rglob("*"):
-        if file.is_file():
-            with open(file, "rb") as handle:
-                os.fsync(handle.fileno())
-
-
-def _publish(building: Path, final: Path, staging: Path) -> None:
-    """Rename ``building`` to ``final``; an older folder there is moved aside, then deleted."""
-    old = None
-    if final.exists():
-        old = Path(tempfile.mkdtemp(prefix="replaced.", dir=staging)) / final.name
-        os.replace(final, old)
-    os.replace(building, final)
-    if hasattr(os, "O_DIRECTORY"):  # make the rename durable (POSIX; Windows has no dir fsync)
-        descriptor = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)
-    if old is not None:
-        _remove_tree(old.parent)
-
-
-def _remove_tree(folder: Path) -> None:
-    shutil.rmtree(folder, ignore_errors=True)
-
-
-def _complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """``(step, folder)`` of every complete checkpoint under ``root``, oldest first."""
-    if not root.is_dir():
-        return []
-    found = []
-    for folder in root.iterdir():
-        if not _FOLDER_NAME.match(folder.name) or not (folder / TRAINING_STATE_JSON).is_file():
-            continue
-        try:
-            step = read_checkpoint_info(folder)["step"]
-        except CheckpointError as exc:
-            logger.warning("ignoring checkpoint folder %s: %s", folder, exc)
-            continue
-        found.append((step, folder))
-    return sorted(found)
-
 
 # --- the coordinator's manager ----------------------------------------------------------------
 
@@ -266,18 +118,18 @@ class CheckpointManager:
         newest = self.latest_step()
         self._saved_step = newest if newest is not None else 0
         # Folders left by a crash mid-save: no process is writing into them any more.
-        _remove_tree(self.root / STAGING_FOLDER)
+        remove_tree(self.root / STAGING_FOLDER)
 
     # --- local -------------------------------------------------------------------------------
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint folder, or None if there is none."""
-        found = _complete_checkpoints(self.root)
+        found = complete_checkpoints(self.root)
         return found[-1][1] if found else None
 
     def latest_step(self) -> int | None:
         """The step of :meth:`latest`, or None."""
-        found = _complete_checkpoints(self.root)
+        found = complete_checkpoints(self.root)
         return found[-1][0] if found else None
 
     def is_due(self, step: int) -> bool:
@@ -343,7 +195,7 @@ class CheckpointManager:
         The folder being pushed is never deleted. Each folder is first renamed into the staging
         folder, so a crash mid-delete never leaves a half checkpoint behind.
         """
-        found = _complete_checkpoints(self.root)
+        found = complete_checkpoints(self.root)
         with self._lock:
             doomed = [
                 folder
@@ -355,7 +207,7 @@ class CheckpointManager:
             staging.mkdir(parents=True, exist_ok=True)
             trash = Path(tempfile.mkdtemp(prefix="pruned.", dir=staging))
             os.replace(folder, trash / folder.name)
-            _remove_tree(trash)
+            remove_tree(trash)
             logger.info("deleted old checkpoint %s (keep_last=%d)", folder, self.config.keep_last)
         return doomed
 
@@ -375,7 +227,7 @@ class CheckpointManager:
         """
         if self.config.hub_repo is None:
             return None
-        found = _complete_checkpoints(self.root)
+        found = complete_checkpoints(self.root)
         interval = self.config.push_every_minutes * 60.0
         with self._lock:
             if self._pushing is not None or not found or found[-1][0] == self._pushed_step:
@@ -439,7 +291,7 @@ class CheckpointManager:
             CheckpointRestoreFailed: the Hub could not be reached or refused the token (we do
                 not silently start from scratch over a run that has checkpoints).
         """
-        local = [folder for _, folder in reversed(_complete_checkpoints(self.root))]
+        local = [folder for _, folder in reversed(complete_checkpoints(self.root))]
         first_error: MalformedTrainingState | None = None
         for folder in local:
             try:
@@ -502,8 +354,8 @@ class CheckpointManager:
                 return None
             step = read_checkpoint_info(building)["step"]
             final = self.root / CHECKPOINT_FOLDER_FORMAT.format(step=step)
-            _fsync_tree(building)
-            _publish(building, final, staging)
+            fsync_tree(building)
+            publish_folder(building, final, staging)
             return final
         finally:
-            _remove_tree(building)
+            remove_tree(building)

@@ -23,7 +23,7 @@ from kit.config import CheckpointConfig
 from kit.errors import CheckpointRestoreFailed, KitUsageError, MalformedTrainingState
 from kit.evaluation.checkpoints import list_checkpoints
 from kit.testing.fake_hub import FakeHub
-from kit.training import checkpoints
+from kit.training import checkpoint_folder
 from kit.training.checkpoint_format import commit_title, parse_commit_title
 from kit.training.checkpoints import (
     CheckpointManager,
@@ -296,8 +296,8 @@ def test_crash_mid_save_leaves_nothing_latest_would_pick(
     def killed(*args: Any) -> None:  # the process dies just before the rename
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(checkpoints, "_publish", killed)
-    monkeypatch.setattr(checkpoints, "_remove_tree", lambda folder: None)  # and cleans nothing
+    monkeypatch.setattr(checkpoint_folder, "publish_folder", killed)
+    monkeypatch.setattr(checkpoint_folder, "remove_tree", lambda folder: None)  # and cleans nothing
     with pytest.raises(KeyboardInterrupt):
         manager.maybe_save(20, trained.model, *state, loss=1.0, now=1.0)
     monkeypatch.undo()
