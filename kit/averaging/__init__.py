@@ -18,7 +18,8 @@ With I/O (asyncio, over ``kit.p2p`` streams and ``kit.dht``):
 
     chunk_stream.py        how one chunk travels on a stream, and the buffers it lands in
     allreduce.py           one peer's side of one butterfly all-reduce round
-    matchmaking_driver.py  the state machine's driver (DHT, join streams), the stream router
+    matchmaking_driver.py  the state machine's driver (DHT, join streams)
+    router.py              one peer's averaging protocols, each stream to its averager's prefix
     state_sharing.py       ``load_state_from_peers``: donors by priority, the state on the wire
     settings.py            the averager's settings
     async_averager.py      ``AsyncAverager``: steps, retries and served streams on the event loop

@@ -27,8 +27,9 @@ from kit.averaging.compression import DTYPE_NAMES, TensorDescriptor
 from kit.averaging.control import AveragingStage, StepControl
 from kit.averaging.declarations import MemberInfo
 from kit.averaging.group import MAX_GROUP_SIZE, GroupInfo, schema_hash
-from kit.averaging.matchmaking_driver import AveragingRouter, MatchmakingDriver
+from kit.averaging.matchmaking_driver import MatchmakingDriver
 from kit.averaging.partition import PartitionPlan, RoundReport
+from kit.averaging.router import AveragingRouter
 from kit.averaging.settings import AveragerSettings, check_tensors, chunk_elements
 from kit.averaging.state_sharing import StateSharing
 from kit.dht.node import DHTNode, get_dht_time

@@ -1,11 +1,10 @@
-"""The async side of matchmaking: DHT declarations, join streams, and the per-peer stream router.
+"""The async side of matchmaking: DHT declarations and join streams.
 
-Holds ``MatchmakingDriver`` (runs the pure ``Matchmaker`` of ``kit.averaging.matchmaking``: it
+Holds ``MatchmakingDriver``: it runs the pure ``Matchmaker`` of ``kit.averaging.matchmaking``:
 publishes and polls declarations in the DHT, asks leaders on ``kit/averaging/join/1`` streams,
-answers followers, and, as a leader, solves the load-balancing LP and announces the group) and
-``AveragingRouter`` (one per peer: serves the join and all-reduce protocols and hands each stream
-to the averager of its prefix, so several averagers share one peer). It does not decide anything
-itself: every decision is the state machine's.
+answers followers, and, as a leader, solves the load-balancing LP and announces the group. It
+does not decide anything itself: every decision is the state machine's. The streams peers open
+to it reach it through ``kit.averaging.router`` (one per peer, several averagers share it).
 
 A follower's join stream stays open until the leader sends the group (or releases it): a follower
 that goes away is noticed by the leader at once, and a leader that goes away by its followers.
@@ -19,13 +18,11 @@ import itertools
 import logging
 import math
 import os
-import weakref
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any
 
 from kit.averaging.allreduce import cancel_and_wait
 from kit.averaging.balancing import load_balance_peers, preload_solver
-from kit.averaging.chunk_stream import PROTOCOL as ALLREDUCE_PROTOCOL
 from kit.averaging.declarations import (
     Action,
     AskLeader,
@@ -49,8 +46,6 @@ from kit.averaging.group import (
     GROUP_ID_BYTES,
     MAX_MESSAGE,
     GroupInfo,
-    decode_invite,
-    decode_join_request,
     decode_leader_message,
     encode_answer,
     encode_begin,
@@ -61,16 +56,13 @@ from kit.averaging.group import (
 from kit.averaging.matchmaking import FINAL_PHASES, Matchmaker, Phase
 from kit.dht.node import DHTNode, get_dht_time
 from kit.errors import KitError, KitTimeout, PeerError, RemoteProtocolError
-from kit.p2p import wire
-from kit.p2p.api import PeerAPI, StreamAPI
+from kit.p2p.api import StreamAPI
 from kit.p2p.identity import PeerID
 
 logger = logging.getLogger(__name__)
 
 JOIN_PROTOCOL = "kit/averaging/join/1"
 INVITE_PROTOCOL = "kit/averaging/invite/1"
-MAX_INVITE = 16 * 1024  # bytes of an invitation (MAX_GONE peer ids and one declaration)
-FIRST_MESSAGE_TIMEOUT = 10.0  # a stream's first message comes right after it opens
 POLL_REPLICAS = 2  # DHT nodes a poll reads the declarations from (each returns all of them)
 POLL_DELAYS = (
     0.0,
@@ -82,64 +74,6 @@ POLL_DELAYS = (
     0.32,
     0.4,
 )  # DHT polls while looking, then the last
-
-
-class AveragerEndpoint(Protocol):
-    """What the router needs of an averager."""
-
-    matchmaking: MatchmakingDriver
-
-    async def serve_allreduce(self, stream: StreamAPI, header: dict[str, Any]) -> None: ...
-
-
-class AveragingRouter:
-    """Serves the averaging protocols of one peer for every averager on it (by prefix)."""
-
-    _routers: weakref.WeakKeyDictionary[Any, AveragingRouter] = weakref.WeakKeyDictionary()
-
-    def __init__(self, peer: PeerAPI) -> None:
-        self.averagers: dict[str, AveragerEndpoint] = {}
-        peer.add_stream_handler(JOIN_PROTOCOL, self._serve_join)
-        peer.add_unary_handler(INVITE_PROTOCOL, self._serve_invite, max_request=MAX_INVITE)
-        peer.add_stream_handler(ALLREDUCE_PROTOCOL, self._serve_allreduce)
-
-    @classmethod
-    def of(cls, peer: PeerAPI) -> AveragingRouter:
-        """The router of ``peer`` (created, and its handlers registered, on first use)."""
-        router = cls._routers.get(peer)
-        if router is None:
-            router = cls._routers[peer] = cls(peer)
-        return router
-
-    async def _serve_join(self, stream: StreamAPI) -> None:
-        raw = await stream.receive_message(max_size=MAX_MESSAGE, timeout=FIRST_MESSAGE_TIMEOUT)
-        if raw is None:
-            return
-        prefix, key, schema, member = decode_join_request(raw, stream.remote_peer)
-        averager = self.averagers.get(prefix)
-        if averager is None:
-            await stream.send_message(encode_answer(Refusal("not_looking")), timeout=5.0)
-            return
-        await averager.matchmaking.serve_join(stream, key, schema, member)
-
-    async def _serve_invite(self, caller: PeerID, payload: bytes) -> bytes:
-        prefix, key, inviter, gone = decode_invite(payload, caller)
-        averager = self.averagers.get(prefix)
-        if averager is not None:
-            averager.matchmaking.invited(key, inviter, gone)
-        return b""
-
-    async def _serve_allreduce(self, stream: StreamAPI) -> None:
-        raw = await stream.receive_message(max_size=4096, timeout=FIRST_MESSAGE_TIMEOUT)
-        if raw is None:
-            return
-        header = wire.decode_map(
-            raw, "all-reduce stream header", {"prefix": str, "group_id": bytes}
-        )
-        averager = self.averagers.get(header["prefix"])
-        if averager is None:
-            raise RemoteProtocolError(f"no averager with prefix {header['prefix'][:64]!r} here")
-        await averager.serve_allreduce(stream, header)
 
 
 class MatchmakingDriver:
