@@ -28,6 +28,7 @@ full map, checked by tests/test_architecture.py, is ARCHITECTURE.md):
     wheel.py         the wheel of the running kit (volunteers install the organizer's version)
     handout.py       what the coordinator hands to volunteers besides the swarm
     preflight.py     `kit preflight URL`, also the coordinator's start-up check
+    run_authority.py the run's authority kept by the coordinator: key, token issuer, bans
     volunteer_session.py  a volunteer's session (Volunteer): login, peer, model, data, training
     volunteer.py     the volunteer's entry module: kit.join / `kit join` (join.ipynb)
     coordinator.py   the organizer's entry module: `kit coordinator` (config.ipynb)

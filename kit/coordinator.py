@@ -2,9 +2,10 @@
 
 One process that runs everything a collaboration needs besides the volunteers (DeDLOC's
 sahajBERT ran these as five separate scripts): a public bootstrap DHT peer that also relays for
-volunteers behind NAT, the token endpoint of allowlisted runs (``kit.auth``), the run info and
-what volunteers fetch when they join (``kit.handout``: tokenizer, the organizer's files as token
-shards, the wheel of this kit, the join notebook), a start-up check that a remote volunteer could
+volunteers behind NAT, the token endpoint of allowlisted runs (``kit.auth``; the authority's key
+and ban list are ``kit.run_authority``'s), the run info and what volunteers fetch when they join
+(``kit.handout``: tokenizer, the organizer's files as token shards, the wheel of this kit, the
+join notebook), a start-up check that a remote volunteer could
 train (``kit.preflight``; it refuses to start otherwise), the metrics collector and its dashboard
 (``kit.metrics``, ``kit.dashboard``), an auxiliary averaging peer, and periodic checkpoints pushed
 to the Hub (``kit.training.checkpoints``). It survives its own restart: volunteers keep training
@@ -21,7 +22,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -31,11 +31,18 @@ from typing import TYPE_CHECKING, Any, cast
 from kit.config import RunConfig
 from kit.dht.config import get_dht_time
 from kit.errors import ConfigError, KitError, KitUsageError
-from kit.p2p.identity import b58decode, b58encode, load_identity
+from kit.p2p.identity import load_identity
 from kit.remote_run import RUN_INFO_PATH
+from kit.run_authority import (
+    apply_revocations,
+    create_authority,
+    load_revocations,
+    open_issuer,
+    save_revocations,
+)
 
 if TYPE_CHECKING:  # imported late where used: the services load only when the coordinator starts
-    from kit.auth import AllowlistAuthorizer, RevocationList, TokenIssuer
+    from kit.auth import AllowlistAuthorizer, TokenIssuer
     from kit.auth.endpoint import TokenEndpoint
     from kit.dht import DHT, DHTNode
     from kit.handout import Handout
@@ -91,20 +98,6 @@ class CoordinatorOptions:
             raise ConfigError(
                 f"coordinator: shard_tokens {self.shard_tokens} - help: use e.g. 4194304 (4M)"
             )
-
-
-def authority_key_path(state_dir: str | Path) -> Path:
-    return Path(state_dir) / "authority.key"
-
-
-def create_authority(state_dir: str | Path) -> str:
-    """Create (or read) the run's authority key; return its public key for run.yaml (base58).
-
-    Keep ``authority.key`` secret and backed up: whoever holds it can let anyone in.
-    """
-    identity, lock = load_identity(authority_key_path(state_dir))
-    lock.release()
-    return b58encode(identity.public_key)
 
 
 class Coordinator:
@@ -223,24 +216,13 @@ class Coordinator:
         report.raise_if_failed()
 
     def _load_authority(self, peer_identity: Identity) -> AllowlistAuthorizer | None:
-        published = self.config.access.authority_public_key
-        if published is None:
+        issuer = open_issuer(self.config, self.state_dir, self._locks)
+        if issuer is None:
             return None
-        from kit.auth import AllowlistAuthorizer, TokenIssuer
+        from kit.auth import AllowlistAuthorizer
 
-        identity, lock = load_identity(authority_key_path(self.state_dir))
-        self._locks.append(lock)
-        if identity.public_key != b58decode(published):
-            raise ConfigError(
-                f"access.authority_public_key in run.yaml is not the key in "
-                f"{authority_key_path(self.state_dir)} - help: put "
-                f"{b58encode(identity.public_key)} in run.yaml, or point state_dir at the "
-                "folder that holds the right authority.key"
-            )
-        self.issuer = issuer = TokenIssuer(
-            identity, self.config.collaboration.run_id, lifetime=self.config.access.token_lifetime
-        )
-        self._load_revocations(issuer)
+        self.issuer = issuer
+        load_revocations(self.state_dir, issuer)
         # The coordinator's own peer needs a token too: issued by itself.
         authorizer = AllowlistAuthorizer.for_coordinator(
             peer_identity, issuer, check_period=self.config.access.check_seconds
@@ -280,49 +262,10 @@ class Coordinator:
             duration=duration,
             now=get_dht_time(),
         )
-        self._save_revocations(issuer)
-        dht.run_coroutine(lambda _, node: self._apply_revocations(node, issuer, revocations))
-
-    async def _apply_revocations(
-        self, node: DHTNode, issuer: TokenIssuer, revocations: RevocationList
-    ) -> None:
-        """Enforce ``revocations`` on our peer and publish them for everyone else's."""
-        from kit.auth import enforce_revocations, publish_revocations
-        from kit.auth.revocation import DEFAULT_PUBLISH_TTL
-
-        authorizer = self.authorizer
-        if authorizer is not None and authorizer.update_revocations(revocations):
-            enforce_revocations(cast("Peer", node.peer), authorizer)
-        expiration = get_dht_time() + DEFAULT_PUBLISH_TTL
-        if not await publish_revocations(
-            node, issuer.authority, revocations, expiration_time=expiration
-        ):
-            logger.warning("the revocation list reached no DHT node yet (peers poll the DHT)")
-
-    def _revocations_path(self) -> Path:
-        return self.state_dir / "revocations.msgpack"
-
-    def _save_revocations(self, issuer: TokenIssuer) -> None:
-        path = self._revocations_path()
-        partial = path.with_suffix(".partial")
-        partial.write_bytes(issuer.revocations.to_bytes())
-        os.replace(partial, path)
-
-    def _load_revocations(self, issuer: TokenIssuer) -> None:
-        from kit.auth import RevocationList
-
-        path = self._revocations_path()
-        if not path.exists():
-            return
-        try:
-            saved = RevocationList.from_bytes(path.read_bytes())
-            saved.verify(issuer.authority_public_key)
-        except KitError as e:
-            raise ConfigError(
-                f"{path} is unreadable ({e}) - help: restore it from a backup, or delete it to "
-                "lift every ban"
-            ) from e
-        issuer.revocations = saved
+        save_revocations(self.state_dir, issuer)
+        dht.run_coroutine(
+            lambda _, node: apply_revocations(node, self.authorizer, issuer, revocations)
+        )
 
     async def _start_services(self, dht: DHT, node: DHTNode) -> None:
         from kit.dashboard import register_dashboard
@@ -345,7 +288,7 @@ class Coordinator:
             )
             # Our peer's session guard (kit.auth.sessions) follows the list like every peer's.
             if issuer.revocations.usernames or issuer.revocations.peer_public_keys:
-                await self._apply_revocations(node, issuer, issuer.revocations)  # kept from before
+                await apply_revocations(node, authorizer, issuer, issuer.revocations)  # kept
         run_id = self.config.collaboration.run_id
         self.collector = collector = MetricsCollector(
             node,
