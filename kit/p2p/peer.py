@@ -27,21 +27,19 @@ from typing import Any
 from kit.address import Address, parse_address
 from kit.errors import (
     AuthError,
-    HandshakeRefused,
     KitTimeout,
     KitUsageError,
     PeerError,
     PeerUnavailable,
     RemoteProtocolError,
-    Revoked,
 )
 from kit.p2p import reachability, relay, transport
+from kit.p2p.admission import accept_over, admit, dial_over, handshake_settings
 from kit.p2p.api import DEFAULT_MAX_MESSAGE, StreamHandler, UnaryHandler
 from kit.p2p.budget import BufferLedger
-from kit.p2p.channel import Authorizer, OpenAuthorizer, accept_handshake, dial_handshake
+from kit.p2p.channel import Authorizer, OpenAuthorizer, dial_handshake
 from kit.p2p.connection import Channel, Connection
-from kit.p2p.frame_auth import AuthenticatedChannel
-from kit.p2p.handshake import HandshakeSettings, RemoteHello
+from kit.p2p.handshake import RemoteHello
 from kit.p2p.identity import Identity, IdentityLock, PeerID, load_identity
 from kit.p2p.options import PeerOptions, RelayLimits
 from kit.p2p.stream import Stream, wait_bounded
@@ -52,10 +50,6 @@ logger = logging.getLogger(__name__)
 
 MAX_ADDRESSES_PER_PEER = 8
 MAX_ADDRESS_BOOK = 10_000
-RELAY_FRAME_MARGIN = 64
-#: A hello with this feature is a reachability probe: the listener answers the handshake, then
-#: hangs up without keeping the connection (see kit.p2p.reachability).
-PROBE_FEATURE = "probe"
 
 
 class Peer:
@@ -300,8 +294,10 @@ class Peer:
             channel = await transport.dial(
                 address, self.options, min(timeout, self.options.dial_timeout)
             )
-        settings = self._handshake_settings(relayed=address.relay is not None)
-        remote, keys = await dial_handshake(
+        settings = handshake_settings(
+            self.options, self.authorizer, relayed=address.relay is not None
+        )
+        channel, remote = await dial_over(
             channel,
             self.identity,
             settings,
@@ -309,8 +305,6 @@ class Peer:
             expected_peer=address.peer_id,
             timeout=min(timeout, self.options.handshake_timeout),
         )
-        if settings.frame_auth or remote.frame_auth:
-            channel = AuthenticatedChannel(channel, keys)
         self._register(channel, remote, is_dialer=True)
         if address.relay is None or address.peer_id is None:
             self.add_address(remote.peer_id, address)
@@ -327,7 +321,7 @@ class Peer:
         await dial_handshake(
             channel,
             self.identity,
-            self._handshake_settings(probe=True),
+            handshake_settings(self.options, self.authorizer, probe=True),
             self.authorizer,
             expected_peer=address.peer_id,
             timeout=timeout,
@@ -341,66 +335,29 @@ class Peer:
 
     async def _accept_websocket(self, channel: Channel) -> None:
         """Run the listener's handshake on a channel our listening port accepted, then serve it."""
-        settings = self._handshake_settings()
-        try:
-            remote, keys = await accept_handshake(
-                channel,
-                self.identity,
-                settings,
-                self.authorizer,
-                timeout=self.options.handshake_timeout,
-            )
-        except (HandshakeRefused, PeerError, KitTimeout) as e:
-            # Anyone can send garbage or half a handshake: one DEBUG line each, never more. A
-            # banned user coming back holds a token signed by the authority: the organizer's news.
-            level = logging.INFO if isinstance(e.__cause__, Revoked) else logging.DEBUG
-            logger.log(level, "refused connection from %s: %s", channel.remote_address, e)
+        admitted = await admit(
+            channel,
+            self.identity,
+            handshake_settings(self.options, self.authorizer),
+            self.authorizer,
+            timeout=self.options.handshake_timeout,
+        )
+        if admitted is None:  # refused (logged), or a reachability probe (answered)
             return
-        except Exception as e:
-            logger.debug(
-                "handshake with %s failed: %s: %s", channel.remote_address, type(e).__name__, e
-            )
-            return
-        if PROBE_FEATURE in remote.features:
-            await channel.close()  # a dial-back probe: it only wanted to see that we answer
-            return
-        if settings.frame_auth or remote.frame_auth:
-            channel = AuthenticatedChannel(channel, keys)
-        connection = self._register(channel, remote, is_dialer=False)
+        connection = self._register(*admitted, is_dialer=False)
         await connection.wait_closed(timeout=None)
 
     async def accept_channel(self, channel: Channel) -> None:
         """Run the listener's handshake on a channel a relay handed us, then serve it."""
-        settings = self._handshake_settings(relayed=True)
-        remote, keys = await accept_handshake(
+        channel, remote = await accept_over(
             channel,
             self.identity,
-            settings,
+            handshake_settings(self.options, self.authorizer, relayed=True),
             self.authorizer,
             timeout=self.options.handshake_timeout,
         )
-        if settings.frame_auth or remote.frame_auth:
-            channel = AuthenticatedChannel(channel, keys)
         connection = self._register(channel, remote, is_dialer=False)
         await connection.wait_closed(timeout=None)
-
-    def _handshake_settings(
-        self, *, relayed: bool = False, probe: bool = False
-    ) -> HandshakeSettings:
-        features = ("relay",) if self.options.relay_service else ()
-        max_frame = self.options.limits.max_frame
-        if relayed:
-            # A relayed frame travels inside one relay-stream message: keep it under the relay's
-            # frame size so that each inner frame is one outer frame, not two.
-            max_frame -= RELAY_FRAME_MARGIN
-        return HandshakeSettings(
-            run_id=self.options.run_id,
-            config_hash=self.options.config_hash,
-            features=features + (PROBE_FEATURE,) if probe else features,
-            receive_window=self.options.limits.receive_window,
-            max_frame=max_frame,
-            frame_auth=self.options.frame_auth or bool(getattr(self.authorizer, "private", False)),
-        )
 
     def _register(self, channel: Channel, remote: RemoteHello, *, is_dialer: bool) -> Connection:
         connection = Connection(
