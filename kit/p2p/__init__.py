@@ -4,6 +4,6 @@ Read in this order: ``identity`` (keys, PeerIDs) → ``wire`` (frames, pure) →
 (pure) → ``mux`` (multiplexed streams and flow control, pure) → ``connection`` (the asyncio
 driver of one connection) → ``channel`` (the handshake driver) → ``transport`` (the one file
 that speaks ``websockets``: listening, dialing, HTTP routes, the takeover by ``websocket``) →
-``relay``, ``reachability`` → ``admission`` (each channel's handshake) → ``peer`` (the
-connection registry and the handlers).
+``relay``, ``reachability`` → ``admission`` (each channel's handshake), ``handlers`` (each
+stream to its protocol's handler) → ``peer`` (the connection registry, ``PeerAPI``).
 """

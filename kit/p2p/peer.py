@@ -39,6 +39,7 @@ from kit.p2p.api import DEFAULT_MAX_MESSAGE, StreamHandler, UnaryHandler
 from kit.p2p.budget import BufferLedger
 from kit.p2p.channel import Authorizer, OpenAuthorizer, dial_handshake
 from kit.p2p.connection import Channel, Connection
+from kit.p2p.handlers import Handlers
 from kit.p2p.handshake import RemoteHello
 from kit.p2p.identity import Identity, IdentityLock, PeerID, load_identity
 from kit.p2p.options import PeerOptions, RelayLimits
@@ -71,7 +72,7 @@ class Peer:
         self.buffer_ledger: BufferLedger[Connection] = BufferLedger(options.buffer_budget)
         self._dials: dict[str, asyncio.Future[PeerID]] = {}
         self._address_book: dict[PeerID, list[Address]] = {}
-        self._stream_handlers: dict[str, StreamHandler] = {}
+        self.handlers = Handlers(options.request_timeout)  # what this peer serves
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closing = False
         self.relay_client: relay.RelayClient | None = None  # in client mode
@@ -185,23 +186,12 @@ class Peer:
             self._address_book.pop(next(iter(self._address_book)))
 
     def add_stream_handler(self, protocol: str, handler: StreamHandler) -> None:
-        if protocol in self._stream_handlers:
-            raise KitUsageError(f"protocol {protocol!r} already has a handler")
-        self._stream_handlers[protocol] = handler  # type: ignore[assignment]
+        self.handlers.add_stream(protocol, handler)
 
     def add_unary_handler(
         self, protocol: str, handler: UnaryHandler, *, max_request: int = DEFAULT_MAX_MESSAGE
     ) -> None:
-        async def serve(stream: Stream) -> None:
-            request = await stream.receive_message(
-                max_size=max_request, timeout=self.options.request_timeout
-            )
-            if request is None:
-                raise RemoteProtocolError(f"{protocol}: the caller closed without a request")
-            response = await handler(stream.remote_peer, request)
-            await stream.send_message(response, timeout=self.options.request_timeout)
-
-        self.add_stream_handler(protocol, serve)  # type: ignore[arg-type]
+        self.handlers.add_unary(protocol, handler, max_request=max_request)
 
     async def call(
         self,
@@ -365,7 +355,7 @@ class Peer:
             remote,
             is_dialer=is_dialer,
             limits=self.options.limits,
-            on_stream=self._serve_stream,
+            on_stream=self.handlers.serve,
             on_closed=self._forget_connection,
             ledger=self.buffer_ledger,
         )
@@ -396,27 +386,6 @@ class Peer:
         self._all_connections.discard(connection)
         if self._connections.get(connection.remote_peer) is connection:
             del self._connections[connection.remote_peer]
-
-    async def _serve_stream(self, stream: Stream) -> None:
-        handler = self._stream_handlers.get(stream.protocol)
-        if handler is None:
-            stream.reset(ResetCode.UNKNOWN_PROTOCOL, f"no handler for {stream.protocol!r}")
-            return
-        try:
-            await handler(stream)
-        except asyncio.CancelledError:
-            stream.reset(ResetCode.SHUTDOWN, "handler cancelled")
-            raise
-        except (PeerError, KitTimeout) as e:
-            logger.debug("%s handler: %s: %s", stream.protocol, type(e).__name__, e)
-            stream.reset(ResetCode.HANDLER_ERROR, f"{type(e).__name__}: {e}")
-        except Exception as e:
-            logger.warning(
-                "%s handler failed for %s: %r", stream.protocol, stream.remote_peer.short(), e
-            )
-            stream.reset(ResetCode.HANDLER_ERROR, f"{type(e).__name__}: {e}")
-        else:
-            await stream.close()
 
     async def _close_idle_connections(self) -> None:
         # Connections cost a socket and two tasks each; a DHT touches many peers once.
