@@ -20,6 +20,7 @@ With I/O (asyncio, over ``kit.p2p`` streams and ``kit.dht``):
     allreduce.py           one peer's side of one butterfly all-reduce round
     matchmaking_driver.py  the state machine's driver (DHT, join streams)
     router.py              one peer's averaging protocols, each stream to its averager's prefix
+    served_rounds.py       which round an all-reduce stream belongs to (it may wait for it, bounded)
     state_sharing.py       ``load_state_from_peers``: donors by priority, the state on the wire
     settings.py            the averager's settings
     async_averager.py      ``AsyncAverager``: steps, retries and served streams on the event loop

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import dataclasses
 import logging
 import math
@@ -26,20 +25,15 @@ from kit.averaging.chunk_stream import RoundBuffers
 from kit.averaging.compression import DTYPE_NAMES, TensorDescriptor
 from kit.averaging.control import AveragingStage, StepControl
 from kit.averaging.declarations import MemberInfo
-from kit.averaging.group import MAX_GROUP_SIZE, GroupInfo, schema_hash
+from kit.averaging.group import GroupInfo, schema_hash
 from kit.averaging.matchmaking_driver import MatchmakingDriver
 from kit.averaging.partition import PartitionPlan, RoundReport
 from kit.averaging.router import AveragingRouter
+from kit.averaging.served_rounds import ServedRounds
 from kit.averaging.settings import AveragerSettings, check_tensors, chunk_elements
 from kit.averaging.state_sharing import StateSharing
 from kit.dht.node import DHTNode, get_dht_time
-from kit.errors import (
-    AveragingFailed,
-    ConfigError,
-    GroupMismatch,
-    KitTimeout,
-    RemoteProtocolError,
-)
+from kit.errors import AveragingFailed, ConfigError, GroupMismatch, KitTimeout
 from kit.p2p.api import StreamAPI
 from kit.p2p.identity import PeerID
 
@@ -48,7 +42,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 BANDWIDTH_EMA_ALPHA = 0.3  # weight of the newest round in the measured bandwidth
 MIN_MEASURED_BYTES = 2**20  # smaller rounds are latency-bound: they say nothing of bandwidth
-MAX_WAITING_STREAMS = MAX_GROUP_SIZE  # all-reduce streams that came before their round began here
 RETRY_PAUSE = 0.1  # s between a failed round and the next search (a group failing at once)
 STAT_KEYS = (  # statistics() counters
     "full_rounds",  # every part averaged over every sender
@@ -58,7 +51,6 @@ STAT_KEYS = (  # statistics() counters
     "bytes_sent",
     "bytes_received",
 )
-RECENT_ROUNDS = 32  # finished round ids remembered, to refuse their late streams at once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,11 +134,7 @@ class AsyncAverager:
         )
         self.sharing: StateSharing | None = None  # serves get_current_state() (not clients)
         self._step_lock = asyncio.Lock()
-        self._runners: dict[bytes, AllReduceRunner] = {}
-        self._awaiting: set[bytes] = set()  # groups found, waiting for the caller's trigger
-        self._finished: collections.deque[bytes] = collections.deque(maxlen=RECENT_ROUNDS)
-        self._registered = asyncio.Event()
-        self._waiting_streams = 0
+        self.rounds = ServedRounds(settings.request_timeout)  # whom all-reduce streams reach
         self._router: AveragingRouter | None = None
         self.stats: collections.Counter[str] = collections.Counter(dict.fromkeys(STAT_KEYS, 0))
         self.last_round: dict[str, Any] = {}
@@ -385,16 +373,13 @@ class AsyncAverager:
         round wait for it meanwhile (``serve_allreduce``); past ``sender_timeout`` they go on
         without this peer, so waiting longer than that (or the deadline) is of no use."""
         control.advance(AveragingStage.AWAITING_TRIGGER)
-        self._awaiting.add(group.group_id)
-        try:
+        with self.rounds.awaiting_trigger(group.group_id):
             patience = max(control.deadline - get_dht_time(), self.settings.sender_timeout)
             if not await control.wait_for_trigger(patience):
                 raise AveragingFailed(
                     f"allow_allreduce() was not called within {patience:.1f} s of the group "
                     "forming - help: trigger the step sooner, or use require_trigger=False"
                 )
-        finally:
-            self._awaiting.discard(group.group_id)
 
     async def _run_allreduce(
         self, group: GroupInfo, plan: PartitionPlan
@@ -426,17 +411,12 @@ class AsyncAverager:
                 self.settings.aggregation,
                 self.settings.lossy_deltas,
             )
-            self._runners[group.group_id] = runner
-            registered, self._registered = self._registered, asyncio.Event()
-            registered.set()
-            try:
-                return await runner.run(), runner
-            except GroupMismatch as e:
-                logger.warning("%s: %s", self.settings.prefix, e)
-                return None, runner
-            finally:
-                del self._runners[group.group_id]
-                self._finished.append(group.group_id)
+            with self.rounds.running(group.group_id, runner):
+                try:
+                    return await runner.run(), runner
+                except GroupMismatch as e:
+                    logger.warning("%s: %s", self.settings.prefix, e)
+                    return None, runner
         finally:
             self.lock.release()
 
@@ -467,29 +447,9 @@ class AsyncAverager:
         )
 
     async def serve_allreduce(self, stream: StreamAPI, header: dict[str, Any]) -> None:
-        """An all-reduce stream of round ``header['group_id']``: hand it to that round's runner."""
-        group_id = header["group_id"]
-        runner = self._runners.get(group_id)
-        if runner is None and group_id not in self._finished:
-            if self._waiting_streams >= MAX_WAITING_STREAMS:
-                raise RemoteProtocolError("too many all-reduce streams for unknown rounds")
-            self._waiting_streams += 1  # the sender got the group a moment before we did
-            try:
-                loop = asyncio.get_running_loop()
-                give_up = loop.time() + self.settings.request_timeout
-                while runner is None:
-                    if group_id in self._awaiting:  # ours, waiting for its trigger (bounded)
-                        give_up = loop.time() + self.settings.request_timeout
-                    left = give_up - loop.time()
-                    if left <= 0:
-                        break
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(self._registered.wait(), left)
-                    runner = self._runners.get(group_id)
-            finally:
-                self._waiting_streams -= 1
-        if runner is None:
-            raise RemoteProtocolError(f"no round {group_id.hex()[:16]} here (over, or never ours)")
+        """An all-reduce stream of round ``header['group_id']``: hand it to that round's runner
+        (``ServedRounds.runner_for``: it may wait, bounded, for the round to begin here)."""
+        runner = await self.rounds.runner_for(header["group_id"])
         await runner.serve(stream, header)
 
     def statistics(self) -> dict[str, Any]:
