@@ -18,7 +18,8 @@ With I/O (asyncio, over ``kit.p2p`` streams and ``kit.dht``):
 
     chunk_stream.py        how one chunk travels on a stream, and the buffers it lands in
     allreduce.py           one peer's side of one butterfly all-reduce round
-    matchmaking_driver.py  the state machine's driver (DHT, join streams)
+    declaration_board.py   an averager's declaration in the DHT while it looks, and the polls
+    matchmaking_driver.py  the state machine's driver (join streams, invitations)
     router.py              one peer's averaging protocols, each stream to its averager's prefix
     served_rounds.py       which round an all-reduce stream belongs to (it may wait for it, bounded)
     state_sharing.py       ``load_state_from_peers``: donors by priority, the state on the wire

@@ -1,10 +1,11 @@
 """The async side of matchmaking: DHT declarations and join streams.
 
 Holds ``MatchmakingDriver``: it runs the pure ``Matchmaker`` of ``kit.averaging.matchmaking``:
-publishes and polls declarations in the DHT, asks leaders on ``kit/averaging/join/1`` streams,
-answers followers, and, as a leader, solves the load-balancing LP and announces the group. It
-does not decide anything itself: every decision is the state machine's. The streams peers open
-to it reach it through ``kit.averaging.router`` (one per peer, several averagers share it).
+publishes and polls declarations in the DHT (``kit.averaging.declaration_board``), asks leaders
+on ``kit/averaging/join/1`` streams, answers followers, and, as a leader, solves the
+load-balancing LP and announces the group. It does not decide anything itself: every decision is
+the state machine's. The streams peers open to it reach it through ``kit.averaging.router`` (one
+per peer, several averagers share it).
 
 A follower's join stream stays open until the leader sends the group (or releases it): a follower
 that goes away is noticed by the leader at once, and a leader that goes away by its followers.
@@ -14,15 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import itertools
 import logging
-import math
 import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kit.averaging.allreduce import cancel_and_wait
 from kit.averaging.balancing import load_balance_peers, preload_solver
+from kit.averaging.declaration_board import DeclarationBoard
 from kit.averaging.declarations import (
     Action,
     AskLeader,
@@ -55,7 +55,7 @@ from kit.averaging.group import (
 )
 from kit.averaging.matchmaking import FINAL_PHASES, Matchmaker, Phase
 from kit.dht.node import DHTNode, get_dht_time
-from kit.errors import KitError, KitTimeout, PeerError, RemoteProtocolError
+from kit.errors import KitTimeout, PeerError, RemoteProtocolError
 from kit.p2p.api import StreamAPI
 from kit.p2p.identity import PeerID
 
@@ -63,17 +63,6 @@ logger = logging.getLogger(__name__)
 
 JOIN_PROTOCOL = "kit/averaging/join/1"
 INVITE_PROTOCOL = "kit/averaging/invite/1"
-POLL_REPLICAS = 2  # DHT nodes a poll reads the declarations from (each returns all of them)
-POLL_DELAYS = (
-    0.0,
-    0.01,
-    0.02,
-    0.04,
-    0.08,
-    0.16,
-    0.32,
-    0.4,
-)  # DHT polls while looking, then the last
 
 
 class MatchmakingDriver:
@@ -98,7 +87,6 @@ class MatchmakingDriver:
             group_bits,
             min_vector_size,
         )
-        self._spawn_owned = spawn  # the averager's: tombstones outlive one search
         self._matchmaker: Matchmaker | None = None
         self._outcomes: dict[Any, asyncio.Future[bytes]] = {}  # follower -> begin/release message
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -107,9 +95,9 @@ class MatchmakingDriver:
         # Shard keys of the next search (1: the group key alone); see kit.averaging.matchmaking.
         self.shards = 1
         self._searching: list[asyncio.Task[Any]] = []  # the current key's declare and poll
-        self._declared_until = 0.0
-        self._declared_key = self.group_key  # the key of the current (or last) search
-        self._pending_withdrawal = 0.0  # declared until then; withdrawn once the round ends
+        # Our declaration under the key of the current (or last) search; its tombstones are
+        # spawned by the averager's task owner, as they outlive one search.
+        self.board = DeclarationBoard(node, prefix, settings, self.group_key, spawn)
 
     @property
     def group_key(self) -> str:
@@ -146,8 +134,8 @@ class MatchmakingDriver:
         DHT till then, so no DHT store competes with the all-reduce for the links)."""
         sharded = self.shards > 1
         matchmaker = self._matchmaker = Matchmaker(me, self.settings, sharded=sharded)
-        self._group, self._declared_until = None, 0.0
-        self._declared_key = self.shard_key(me.peer_id)
+        self._group = None
+        self.board.move_to(self.shard_key(me.peer_id))
         declaration = matchmaker.start(get_dht_time(), deadline, scheduled_time)
         if matchmaker.can_lead:
             preload_solver()  # this peer may lead: its LP must not wait for scipy's import
@@ -181,17 +169,17 @@ class MatchmakingDriver:
                 # s, every member then marked failed, and the next round's polls saw half the
                 # declarations for ~4 s). The averager calls withdraw_after_round(); till then
                 # a peer that asks us is refused (not_looking), and most often the
-                # declaration has expired by the round's end anyway (see _declare's period).
-                self._pending_withdrawal = self._declared_until
+                # declaration has expired by the round's end anyway (DeclarationBoard.declare).
+                self.board.hold_for_round()
             else:
-                self._spawn_owned(self._withdraw(self._declared_key, self._declared_until))
+                self.board.withdraw_now()
 
     def _search_under_key(self, matchmaker: Matchmaker, declaration: Declaration) -> None:
-        """Declare under ``_declared_key`` and poll it (the first poll waits for our store)."""
+        """Declare under the board's key and poll it (the first poll waits for our store)."""
         declared = asyncio.Event()
         self._searching = [
-            self._spawn(self._declare(matchmaker, declaration, declared)),
-            self._spawn(self._poll(matchmaker, declared)),
+            self._spawn(self.board.declare(matchmaker, declaration, declared)),
+            self._spawn(self.board.poll(matchmaker, declared, self._execute)),
         ]
 
     def _to_pool(self, pool: Pool) -> None:
@@ -200,9 +188,9 @@ class MatchmakingDriver:
         assert matchmaker is not None
         for task in self._searching:
             task.cancel()
-        self._spawn_owned(self._withdraw(self._declared_key, self._declared_until))
-        logger.debug("%s: to the pool from %s", self.prefix, self._declared_key)
-        self._declared_key, self._declared_until = self.group_key, 0.0
+        self.board.withdraw_now()
+        logger.debug("%s: to the pool from %s", self.prefix, self.board.key)
+        self.board.move_to(self.group_key)
         self._search_under_key(matchmaker, pool.declaration)
 
     def _move_on_grid(self, group: GroupInfo, me: PeerID) -> None:
@@ -275,91 +263,9 @@ class MatchmakingDriver:
         group_id = os.urandom(GROUP_ID_BYTES)
         return GroupInfo.assemble(group_id, self.schema, members, part_sizes)
 
-    # --- the DHT -----------------------------------------------------------------------------
-
-    async def _declare(
-        self, matchmaker: Matchmaker, declaration: Declaration, declared: asyncio.Event
-    ) -> None:
-        """Keep this peer's declaration in the DHT while it looks (hivemind re-declares too).
-
-        Each store lives ``period`` (at least min_matchmaking_time) and is renewed well before
-        it expires: at least two store latencies before (seen at 128 in-process peers: stores of
-        2 s, and renewals that landed after the expiry, so polls saw an empty key). Short-lived
-        declarations matter: a peer that crashed keeps its place in everyone's ranked list (and
-        in a chunk) until its declaration expires.
-        """
-        loop = asyncio.get_running_loop()
-        key, subkey = self._declared_key, self.peer.peer_id.to_bytes()
-        base = max(self.settings.min_matchmaking_time, 2 * self.settings.request_timeout)
-        latency = 0.0
-        while matchmaker.phase not in FINAL_PHASES:
-            period = max(base, 4 * latency)
-            until = min(get_dht_time() + period, matchmaker.deadline)
-            began = loop.time()
-            try:
-                await self.node.store(key, declaration.to_value(), until, subkey=subkey)
-                self._declared_until = max(self._declared_until, until)
-            except KitError as e:
-                logger.info("%s: declaring in the DHT failed: %s", self.prefix, e)
-            latency = loop.time() - began
-            if not declared.is_set():  # the others' stores take about as long as ours
-                matchmaker.settle_time = min(latency, self.settings.request_timeout) / 2
-            declared.set()
-            renew_in = until - get_dht_time() - max(period / 2, 2 * latency)
-            await asyncio.sleep(max(renew_in, self.settings.request_timeout / 4))
-
     def withdraw_after_round(self) -> None:
         """The round of the last group found is over: withdraw its declaration if still live."""
-        declared_until, self._pending_withdrawal = self._pending_withdrawal, 0.0
-        if declared_until > get_dht_time():
-            self._spawn_owned(self._withdraw(self._declared_key, declared_until))
-
-    async def _withdraw(self, key: str, declared_until: float) -> None:
-        """Replace the declaration by a tombstone, so nobody asks a peer that stopped looking."""
-        if declared_until <= get_dht_time():
-            return
-        subkey = self.peer.peer_id.to_bytes()
-        try:
-            await self.node.store(key, None, declared_until + 1e-3, subkey=subkey)
-        except KitError as e:
-            logger.debug("%s: withdrawing from the DHT failed: %s", self.prefix, e)
-
-    async def _poll(self, matchmaker: Matchmaker, declared: asyncio.Event) -> None:
-        first = asyncio.ensure_future(declared.wait())  # then every peer that declared
-        try:  # before us has (most likely) declared too
-            await asyncio.wait({first}, timeout=max(0.0, matchmaker.deadline - get_dht_time()))
-        finally:
-            first.cancel()
-        loop, latency = asyncio.get_running_loop(), 0.0
-        for attempt in itertools.count():
-            # As long as the last poll took, at least: a peer spends at most half its time
-            # polling, and when hundreds of peers share a CPU (in-process swarms, tests) their
-            # polls slow down together instead of starving everything else of the loop.
-            delay = max(POLL_DELAYS[min(attempt, len(POLL_DELAYS) - 1)], latency)
-            if matchmaker.first_view < math.inf:  # decided: polls only watch for corrections
-                delay = max(delay, self.settings.request_timeout / 2)
-            await asyncio.sleep(delay)
-            if matchmaker.phase in FINAL_PHASES:
-                return
-            if matchmaker.phase not in (Phase.LOOKING, Phase.LEADING):
-                continue
-            try:
-                # A slow poll is still worth its answer (the search's own end cancels it).
-                patience = max(self.settings.request_timeout, matchmaker.deadline - get_dht_time())
-                began = loop.time()
-                found = await asyncio.wait_for(
-                    self.node.get(self._declared_key, latest=True, replicas=POLL_REPLICAS),
-                    patience,
-                )
-                latency = loop.time() - began
-            except (KitError, asyncio.TimeoutError) as e:
-                logger.debug("%s: reading the group key failed: %r", self.prefix, e)
-                continue
-            now = get_dht_time()
-            declarations = Declaration.parse_entries(found.value if found else None, now)
-            me = self.peer.peer_id
-            confirms = any(d.peer_id == me for d in declarations)  # else: lagging replicas
-            self._execute(matchmaker.observe(now, declarations, confirms=confirms))
+        self.board.withdraw_after_round()
 
     # --- invitations -------------------------------------------------------------------------
 
@@ -370,9 +276,7 @@ class MatchmakingDriver:
         peer_id = invite.peer.peer_id
         for address in invite.peer.addresses:
             self.peer.add_address(peer_id, address)
-        request = encode_invite(
-            self.prefix, self._declared_key, matchmaker.declaration, invite.gone
-        )
+        request = encode_invite(self.prefix, self.board.key, matchmaker.declaration, invite.gone)
         try:
             await self.peer.call(
                 peer_id, INVITE_PROTOCOL, request, timeout=self.settings.request_timeout
@@ -383,7 +287,7 @@ class MatchmakingDriver:
     def invited(self, group_key: str, inviter: Declaration, gone: list[PeerID]) -> None:
         """A leader of our chunk says these peers ahead of us are gone."""
         matchmaker = self._matchmaker
-        if matchmaker is None or group_key != self._declared_key:
+        if matchmaker is None or group_key != self.board.key:
             return
         self._execute(matchmaker.invited_by(get_dht_time(), inviter, gone))
 
@@ -398,9 +302,7 @@ class MatchmakingDriver:
         assembled = False
         try:
             stream = await self.peer.open_stream(leader_id, JOIN_PROTOCOL, timeout=timeout)
-            request = encode_join_request(
-                self.prefix, self._declared_key, self.schema, matchmaker.me
-            )
+            request = encode_join_request(self.prefix, self.board.key, self.schema, matchmaker.me)
             await stream.send_message(request, timeout=timeout)
             code, refusal, _ = await self._leader_message(stream, timeout)
             if code != "accepted":
@@ -451,7 +353,7 @@ class MatchmakingDriver:
         actions: list[Action] = []
         if matchmaker is not None and schema != self.schema:
             refusal = Refusal("bad_schema")
-        elif matchmaker is not None and group_key != self._declared_key:
+        elif matchmaker is not None and group_key != self.board.key:
             refusal = Refusal("bad_group_key")
         elif matchmaker is not None:
             refusal, actions = matchmaker.join_request(get_dht_time(), member)
