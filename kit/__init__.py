@@ -31,7 +31,8 @@ full map, checked by tests/test_architecture.py, is ARCHITECTURE.md):
     run_authority.py the run's authority kept by the coordinator: key, token issuer, bans
     volunteer_session.py  a volunteer's session (Volunteer): login, peer, model, data, training
     volunteer.py     the volunteer's entry module: kit.join / `kit join` (join.ipynb)
-    coordinator.py   the organizer's entry module: `kit coordinator` (config.ipynb)
+    coordinator.py   the organizer's entry module (config.ipynb); coordinator_cli.py:
+                     `kit coordinator`
     demo.py          `kit demo`: a coordinator and 3 volunteers on this machine
     evaluation/      the researcher's room (checkpoints, tasks, fine-tuning, reports)
     evaluate.py      the researcher's entry module (evaluate.ipynb); evaluate_cli.py:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 COMMAND_MODULES = (
     "kit.demo",
     "kit.volunteer",
-    "kit.coordinator",
+    "kit.coordinator_cli",
     "kit.preflight",
     "kit.p2p.demo",
     "kit.data.cli",

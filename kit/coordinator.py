@@ -18,7 +18,6 @@ Volunteers' peers only ever dial out to it: give it a public address (``announce
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
@@ -411,70 +410,5 @@ class Coordinator:
         return HttpResponse(200, body, "application/json", (("Cache-Control", "no-store"),))
 
 
-# --- the command line --------------------------------------------------------------------------
-
-
-def add_command(subparsers: Any) -> None:
-    """``kit coordinator --config run.yaml``: the organizer's one command."""
-    parser = subparsers.add_parser("coordinator", help="run a collaboration's coordinator")
-    parser.add_argument("--config", help="the run.yaml written by the config notebook")
-    parser.add_argument("--host", default="0.0.0.0", help="listen address (default: all)")
-    parser.add_argument("--port", type=int, default=0, help="listening port (0: any free one)")
-    parser.add_argument(
-        "--announce", action="append", default=[], help="public address to hand out (repeatable)"
-    )
-    parser.add_argument("--tls-cert", default=None, help="serve wss:// with this certificate")
-    parser.add_argument("--tls-key", default=None, help="... and this private key")
-    parser.add_argument("--state-dir", default="coordinator", help="keys, leaderboard, checkpoints")
-    parser.add_argument(
-        "--tokenizer-dir",
-        default=None,
-        help="tokenizer folder to serve (default: tokenizer.output_dir)",
-    )
-    parser.add_argument(
-        "--shard-tokens",
-        type=int,
-        default=CoordinatorOptions.shard_tokens,
-        help="token ids per served data shard (lower it for a small corpus)",
-    )
-    parser.add_argument("--no-auxiliary", action="store_true", help="no auxiliary peer here")
-    parser.add_argument(
-        "--create-authority",
-        action="store_true",
-        help="create the authority key in --state-dir, print its public key for run.yaml, exit",
-    )
-    parser.set_defaults(handler=_coordinator_command)
-
-
-def _coordinator_command(args: argparse.Namespace) -> int:
-    if args.create_authority:
-        print(create_authority(args.state_dir), flush=True)
-        return 0
-    if not args.config:
-        logger.error("--config is missing - help: kit coordinator --config run.yaml")
-        return 2
-    try:
-        config = RunConfig.from_file(args.config)
-        options = CoordinatorOptions(
-            host=args.host,
-            port=args.port,
-            announce=tuple(args.announce),
-            tls_certfile=args.tls_cert,
-            tls_keyfile=args.tls_key,
-            state_dir=args.state_dir,
-            tokenizer_dir=args.tokenizer_dir,
-            auxiliary_peer=not args.no_auxiliary,
-            shard_tokens=args.shard_tokens,
-        )
-        coordinator = Coordinator(config, options)
-        coordinator.start()
-    except KitError as error:
-        problems = getattr(error, "problems", ())  # the start-up check's, one line each
-        logger.error("%s", "not started: a remote volunteer could not train" if problems else error)
-        for problem in problems:
-            logger.error("  %s", problem)
-        return 1
-    print(f"join link: {coordinator.join_url}", flush=True)
-    print(f"dashboard: {coordinator.dashboard_url}", flush=True)
-    coordinator.run_forever()
-    return 0
+# create_authority lives in kit.run_authority; the config notebook and scripts import it from here.
+__all__ = ["PUBLIC_ACCESS_FIELDS", "Coordinator", "CoordinatorOptions", "create_authority"]
