@@ -1,9 +1,10 @@
 """One butterfly all-reduce round of one peer in an assembled group, over ``kit.p2p`` streams.
 
 Holds ``AllReduceRunner`` (this peer's side of one round: it streams its vector's parts to their
-aggregators, aggregates its own part from everyone, and writes the averages back) and its
-``Timeouts``. It does not hold group assembly (``matchmaking``), the bookkeeping of chunks
-(``partition``) or how a chunk travels and is checked (``chunk_stream``).
+aggregators, aggregates its own part from everyone, and writes the averages back). It does not
+hold group assembly (``matchmaking``), the bookkeeping of chunks (``partition``), how a chunk
+travels and is checked (``chunk_stream``) or how the round's tasks and deadline are owned
+(``round_tasks``, whose ``Timeouts`` are importable from here too).
 
 Butterfly all-reduce (DeDLOC §3.2, hivemind's ``AllReduceRunner``): peer i of the group owns part
 i of the flat vector. Every sender opens one stream to each other aggregator and sends that
@@ -39,9 +40,8 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -61,6 +61,7 @@ from kit.averaging.compression import CompressionBase, is_finite
 from kit.averaging.group import GroupInfo
 from kit.averaging.partition import ChunkSpec, PartitionPlan, PartReducer, PartReport, RoundReport
 from kit.averaging.robust import Aggregation, ClippedPartReducer
+from kit.averaging.round_tasks import RoundTasks, Timeouts
 from kit.errors import (
     GroupMismatch,
     InvalidChunk,
@@ -80,7 +81,8 @@ from kit.runtime import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
+# cancel_and_wait and Timeouts: importable from here, where the averaging modules took them from.
+__all__ = ["AllReduceRunner", "AveragingMode", "Timeouts", "cancel_and_wait"]
 
 
 class AveragingMode(enum.Enum):
@@ -89,16 +91,6 @@ class AveragingMode(enum.Enum):
     NODE = 0  # sends its vector and aggregates a part
     CLIENT = 1  # accepts no connections: sends its vector, aggregates nothing
     AUX = 2  # aggregates a part, sends no vector of its own (weight 0)
-
-
-@dataclass(frozen=True)
-class Timeouts:
-    """How long each side of a round waits (seconds) before it gives up on the other."""
-
-    connect: float  # opening a stream to an aggregator
-    sender: float  # an aggregator waits this long for a sender's next chunk, then excludes it
-    reducer: float  # a sender waits this long for an aggregator's next average, then drops the part
-    deadline: float | None  # loop time at which the whole round stops (allreduce_timeout)
 
 
 class AllReduceRunner:
@@ -126,6 +118,7 @@ class AllReduceRunner:
         self.peer, self.prefix, self.group, self.me = peer, prefix, group, me
         self.tensors, self.plan, self.compression = list(tensors), plan, compression
         self.timeouts, self.buffers = timeouts, buffers
+        self.tasks = RoundTasks(timeouts)  # every task of the round, its deadline and timeline
         self.sends = not group.auxiliary[me]
         self.staging = buffers.staging_for(self.tensors) if self.sends else []
         self.reducer: PartReducer | None = None
@@ -148,11 +141,6 @@ class AllReduceRunner:
         self._progress = asyncio.Event()
         self._connected: set[PeerID] = set()  # senders that opened a stream (or were excluded)
         self._writers: set[asyncio.Task[None]] = set()
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._aborted: str | None = None
-        self._bug: Exception | None = None  # our own failure mid-round (run() raises it)
-        self._finished = False
-        self._marks: dict[str, float] = {}  # event -> loop time, for the round's debug timeline
         self.bytes_sent = 0
         self.bytes_received = 0
 
@@ -164,72 +152,45 @@ class AllReduceRunner:
         Raises:
             GroupMismatch: a member disagreed about the group; nothing was written.
         """
-        self._mark("start")
+        self.tasks.mark("start")
         try:
             exchanges = {
-                k: self._spawn(self._exchange_part(k))
+                k: self.tasks.spawn(self._exchange_part(k))
                 for k in range(len(self.group))
                 if k != self.me and self.plan.part_sizes[k] > 0 and self.sends
             }
-            reducing = self._spawn(self._reduce()) if self.reducer is not None else None
+            reducing = self.tasks.spawn(self._reduce()) if self.reducer is not None else None
             waiting = set(exchanges.values()) | ({reducing} if reducing is not None else set())
             if waiting:
-                await asyncio.wait(waiting, timeout=self._remaining())
-            if self._bug is not None:
-                raise self._bug
-            if self._aborted is not None:
-                raise GroupMismatch(f"round aborted: {self._aborted}")
+                await asyncio.wait(waiting, timeout=self.tasks.remaining())
+            if self.tasks.bug is not None:
+                raise self.tasks.bug
+            if self.tasks.aborted is not None:
+                raise GroupMismatch(f"round aborted: {self.tasks.aborted}")
             parts = [self._report(k, exchanges.get(k)) for k in range(len(self.group))]
             self._commit(parts)
-            self._mark("committed")
+            self.tasks.mark("committed")
             self._log_timeline()
             return RoundReport(tuple(parts))
         finally:
-            self._finished = True
-            await cancel_and_wait(list(self._tasks), 1.0)
-
-    def _mark(self, event: str) -> None:
-        self._marks.setdefault(event, asyncio.get_running_loop().time())
+            await self.tasks.close()
 
     def _log_timeline(self) -> None:
         """One debug line: when each phase of this peer's round ended, from the round's start
         (where a round's time goes: sending, the last input, the last average out and in)."""
         if logger.isEnabledFor(logging.DEBUG):
-            start = self._marks["start"]
-            marks = sorted(self._marks.items(), key=lambda mark: mark[1])
-            ends = " ".join(f"{event}=+{t - start:.3f}" for event, t in marks)
-            logger.debug("round %s timeline: %s", self.group.group_id.hex()[:8], ends)
-
-    def _remaining(self, timeout: float | None = None) -> float | None:
-        deadline = self.timeouts.deadline
-        if deadline is None:
-            return timeout
-        left = max(0.0, deadline - asyncio.get_running_loop().time())
-        return left if timeout is None else min(left, timeout)
-
-    def _spawn(self, work: Awaitable[T]) -> asyncio.Task[T]:
-        task = asyncio.ensure_future(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        task.add_done_callback(_retrieve)
-        return task
+            timeline = self.tasks.timeline()
+            logger.debug("round %s timeline: %s", self.group.group_id.hex()[:8], timeline)
 
     def _abort(self, reason: str) -> None:
         logger.warning("averaging round %s aborted: %s", self.group.group_id.hex()[:8], reason)
-        self._aborted = reason
-        for task in list(self._tasks):
-            if task is not asyncio.current_task():
-                task.cancel()
+        self.tasks.abort(reason)
 
     def _fail(self, bug: Exception) -> None:
         """A bug of ours broke the round: stop now, not at the timeouts (members see our streams
         reset and go on without our part); :meth:`run` raises ``bug``."""
         logger.error("round %s failed on this peer", self.group.group_id.hex()[:8], exc_info=bug)
-        if self._bug is None:
-            self._bug = bug
-        for task in list(self._tasks):
-            if task is not asyncio.current_task():
-                task.cancel()
+        self.tasks.fail(bug)
         progress, self._progress = self._progress, asyncio.Event()
         progress.set()  # and whoever waits for averages learns it now
 
@@ -290,11 +251,11 @@ class AllReduceRunner:
                 "part": k,
             }
             await stream.send_message(
-                wire.packb(header), timeout=self._remaining(self.timeouts.connect)
+                wire.packb(header), timeout=self.tasks.remaining(self.timeouts.connect)
             )
-            sending = self._spawn(self._send_part(stream, k))
+            sending = self.tasks.spawn(self._send_part(stream, k))
             chunk_peers = await self._receive_averages(stream, k)
-            await asyncio.wait_for(sending, self._remaining(self.timeouts.reducer))
+            await asyncio.wait_for(sending, self.tasks.remaining(self.timeouts.reducer))
         except BaseException as e:
             if sending is not None:
                 sending.cancel()
@@ -331,18 +292,18 @@ class AllReduceRunner:
             serialized = self.compression.compress(view, self.plan.compression_info(spec))
             payload = memoryview(serialized.buffer).cast("B")
             chunk_header = {"chunk": spec.chunk_index, **serialized.header()}
-            timeout = self._remaining(self.timeouts.reducer)
+            timeout = self.tasks.remaining(self.timeouts.reducer)
             await stream.send_message(wire.packb(chunk_header), timeout=timeout)
             await stream.send_message(payload, timeout=timeout)
             self.bytes_sent += len(payload)
-        self._mark(f"queued_part{k}")  # all handed to the connection (not yet on the wire)
+        self.tasks.mark(f"queued_part{k}")  # all handed to the connection (not yet on the wire)
         await stream.close()
 
     async def _receive_averages(self, stream: StreamAPI, k: int) -> tuple[frozenset[PeerID], ...]:
         chunk_peers = []
         allowed = sum(self.sender_bits.values())
         for spec in self.plan.parts[k]:
-            timeout = self._remaining(self.timeouts.reducer)
+            timeout = self.tasks.remaining(self.timeouts.reducer)
             header = await receive_header(stream, timeout)
             mask = None if header is None else decode_peer_set(header.get("peers"))
             if header is None or header["chunk"] != spec.chunk_index:
@@ -353,8 +314,8 @@ class AllReduceRunner:
                 await self._receive_average(stream, header, spec, timeout)
             chunk_peers.append(frozenset(p for p, bit in self.sender_bits.items() if mask & bit))
             if len(chunk_peers) == 1:
-                self._mark(f"first_average_of_part{k}")
-        self._mark(f"got_part{k}")
+                self.tasks.mark(f"first_average_of_part{k}")
+        self.tasks.mark(f"got_part{k}")
         return tuple(chunk_peers)
 
     async def _receive_average(
@@ -413,9 +374,9 @@ class AllReduceRunner:
                     await asyncio.sleep(0)  # let streams in while our own part is summed
         while self._ready < self._part_chunks:
             try:
-                await self._wait_progress(self._ready, self._remaining(self.timeouts.sender))
+                await self._wait_progress(self._ready, self.tasks.remaining(self.timeouts.sender))
             except asyncio.TimeoutError:
-                if self._remaining() == 0:
+                if self.tasks.remaining() == 0:
                     return
                 # Senders that never opened a stream are gone (or never got the group); those
                 # that did are timed out by their own readers.
@@ -426,8 +387,8 @@ class AllReduceRunner:
                     self._connected.add(sender)
                     self._completed(reducer.exclude(sender))
         if self._writers:
-            await asyncio.wait(list(self._writers), timeout=self._remaining())
-        self._mark("own_all_sent")
+            await asyncio.wait(list(self._writers), timeout=self.tasks.remaining())
+        self.tasks.mark("own_all_sent")
 
     def _completed(self, chunks: Sequence[int]) -> None:
         """These chunks of our part are averaged: encode each once for every sender's stream."""
@@ -435,7 +396,7 @@ class AllReduceRunner:
             return
         reducer = self.reducer
         if isinstance(reducer, ClippedPartReducer) and not reducer.computed:
-            self._spawn(self._clip_then_complete(reducer, chunks))
+            self.tasks.spawn(self._clip_then_complete(reducer, chunks))
             return
         assert self._averages is not None
         try:
@@ -446,9 +407,9 @@ class AllReduceRunner:
             raise  # and the task that met it (its stream is reset: the sender learns it)
         self._advance()
         if self._ready >= 1:
-            self._mark("own_first_averaged")
+            self.tasks.mark("own_first_averaged")
         if self._ready == self._part_chunks:
-            self._mark("own_all_averaged")
+            self.tasks.mark("own_all_averaged")
 
     async def _clip_then_complete(self, reducer: ClippedPartReducer, chunks: Sequence[int]) -> None:
         # CenteredClip reads senders x part a few dozen times: off the event loop, which also
@@ -478,8 +439,8 @@ class AllReduceRunner:
     async def _wait_progress(self, ready: int, timeout: float | None) -> None:
         """Wait until more than ``ready`` chunks are averaged (asyncio.TimeoutError after timeout)."""
         while self._ready <= ready:
-            if self._bug is not None:
-                raise self._bug  # the round is over (a cancellation may be lost, gh-86296)
+            if self.tasks.bug is not None:
+                raise self.tasks.bug  # the round is over (a cancellation may be lost, gh-86296)
             await asyncio.wait_for(self._progress.wait(), timeout)
 
     async def serve(self, stream: StreamAPI, header: dict[str, Any]) -> None:
@@ -496,18 +457,18 @@ class AllReduceRunner:
             raise GroupMismatch(f"{sender.short()} sent another group hash")
         if reducer is None or header.get("part") != self.me or sender not in reducer.weights:
             raise RemoteProtocolError(f"{sender.short()} is not a sender of part {self.me}")
-        if sender in self._connected or self._finished:
+        if sender in self._connected or self.tasks.closed:
             raise RemoteProtocolError(f"{sender.short()} cannot stream part {self.me} now")
         self._connected.add(sender)
         # The work is the runner's task, not this handler's: a connection that drops cancels
         # its handlers, and the sender must still be excluded then.
-        serving = self._spawn(self._serve_sender(stream, sender))
-        await asyncio.wait({serving}, timeout=self._remaining())
+        serving = self.tasks.spawn(self._serve_sender(stream, sender))
+        await asyncio.wait({serving}, timeout=self.tasks.remaining())
 
     async def _serve_sender(self, stream: StreamAPI, sender: PeerID) -> None:
         reducer = self.reducer
         assert reducer is not None
-        writing = self._spawn(self._write_averages(stream, sender))
+        writing = self.tasks.spawn(self._write_averages(stream, sender))
         self._writers.add(writing)
         writing.add_done_callback(self._writers.discard)
         try:
@@ -518,7 +479,7 @@ class AllReduceRunner:
             stream.reset("cancelled", "excluded from the round")
             self._completed(reducer.exclude(sender))
             return
-        await asyncio.wait({writing}, timeout=self._remaining())
+        await asyncio.wait({writing}, timeout=self.tasks.remaining())
         if not writing.done() or writing.cancelled() or writing.exception() is not None:
             writing.cancel()
             stream.reset("cancelled", "the averages could not be sent")
@@ -528,7 +489,7 @@ class AllReduceRunner:
         assert reducer is not None
         for spec in reducer.chunks:
             dtype = self.plan.tensors[spec.tensor_index].dtype
-            timeout = self._remaining(self.timeouts.sender)
+            timeout = self.tasks.remaining(self.timeouts.sender)
             header = await receive_header(stream, timeout)
             if header is None:
                 raise RemoteProtocolError(f"{sender.short()} ended its part early")
@@ -582,18 +543,13 @@ class AllReduceRunner:
         for chunk in range(len(self._averages)):
             if chunk >= self._ready:
                 try:
-                    await self._wait_progress(chunk, self._remaining(self.timeouts.reducer))
+                    await self._wait_progress(chunk, self.tasks.remaining(self.timeouts.reducer))
                 except asyncio.TimeoutError:
                     raise KitTimeout(f"no average of chunk {chunk} in time") from None
             header, payload = self._averages.for_sender(sender, chunk)
-            timeout = self._remaining(self.timeouts.sender)
+            timeout = self.tasks.remaining(self.timeouts.sender)
             await stream.send_message(header, timeout=timeout)
             if payload is not None:
                 await stream.send_message(payload, timeout=timeout)
                 self.bytes_sent += len(payload)
         await stream.close()
-
-
-def _retrieve(task: asyncio.Task[Any]) -> None:
-    if not task.cancelled():
-        task.exception()  # failures are reported through the round's report, not the log
