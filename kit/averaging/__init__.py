@@ -18,6 +18,7 @@ With I/O (asyncio, over ``kit.p2p`` streams and ``kit.dht``):
 
     chunk_stream.py        how one chunk travels on a stream, and the buffers it lands in
     round_tasks.py         a round's tasks, deadline and timeline: owned, bounded, stopped together
+    sender_side.py         a sender's streams in a round: its parts out, the averages back, staged
     allreduce.py           one peer's side of one butterfly all-reduce round
     declaration_board.py   an averager's declaration in the DHT while it looks, and the polls
     matchmaking_driver.py  the state machine's driver (join streams, invitations)

@@ -3,8 +3,9 @@
 Holds ``AllReduceRunner`` (this peer's side of one round: it streams its vector's parts to their
 aggregators, aggregates its own part from everyone, and writes the averages back). It does not
 hold group assembly (``matchmaking``), the bookkeeping of chunks (``partition``), how a chunk
-travels and is checked (``chunk_stream``) or how the round's tasks and deadline are owned
-(``round_tasks``, whose ``Timeouts`` are importable from here too).
+travels and is checked (``chunk_stream``), how the round's tasks and deadline are owned
+(``round_tasks``, whose ``Timeouts`` are importable from here too) or the sender's streams to the
+other aggregators (``sender_side``: its parts out, the averages back, staged).
 
 Butterfly all-reduce (DeDLOC §3.2, hivemind's ``AllReduceRunner``): peer i of the group owns part
 i of the flat vector. Every sender opens one stream to each other aggregator and sends that
@@ -47,34 +48,29 @@ import torch
 
 from kit.averaging.averages import OutgoingAverages
 from kit.averaging.chunk_stream import (
-    PROTOCOL,
     RoundBuffers,
     decode_chunk,
-    decode_peer_set,
     is_raw,
     payload_bound,
     receive_header,
     receive_into,
     tensor_header,
 )
-from kit.averaging.compression import CompressionBase, is_finite
+from kit.averaging.compression import CompressionBase
 from kit.averaging.group import GroupInfo
 from kit.averaging.partition import ChunkSpec, PartitionPlan, PartReducer, PartReport, RoundReport
 from kit.averaging.robust import Aggregation, ClippedPartReducer
 from kit.averaging.round_tasks import RoundTasks, Timeouts
+from kit.averaging.sender_side import SenderSide
 from kit.errors import (
     GroupMismatch,
     InvalidChunk,
     InvalidTensor,
     KitTimeout,
-    NonFiniteLocalTensor,
     NothingToAggregate,
     PeerError,
-    PeerUnavailable,
-    RemoteError,
     RemoteProtocolError,
 )
-from kit.p2p import wire
 from kit.p2p.api import PeerAPI, StreamAPI
 from kit.p2p.identity import PeerID
 from kit.runtime import cancel_and_wait
@@ -120,7 +116,6 @@ class AllReduceRunner:
         self.timeouts, self.buffers = timeouts, buffers
         self.tasks = RoundTasks(timeouts)  # every task of the round, its deadline and timeline
         self.sends = not group.auxiliary[me]
-        self.staging = buffers.staging_for(self.tensors) if self.sends else []
         self.reducer: PartReducer | None = None
         if plan.part_sizes[me] > 0:
             senders = {group.peers[i]: group.weights[i] for i in group.senders}
@@ -130,6 +125,21 @@ class AllReduceRunner:
                 accumulator = buffers.accumulator_for(plan.part_sizes[me])
                 self.reducer = PartReducer(plan, me, senders, group.group_id, accumulator)
         self.sender_bits = {group.peers[i]: 1 << i for i in group.senders}
+        self.sender: SenderSide | None = None  # our vector's parts out, the averages staged
+        if self.sends:
+            self.sender = SenderSide(
+                peer,
+                prefix,
+                group,
+                self.tensors,
+                plan,
+                compression,
+                buffers,
+                self.tasks,
+                self.sender_bits,
+                unreachable=self._unreachable,
+                abort=self._abort,
+            )
         self._averages = (  # what each sender's stream gets for each chunk of our part
             None
             if self.reducer is None
@@ -141,8 +151,18 @@ class AllReduceRunner:
         self._progress = asyncio.Event()
         self._connected: set[PeerID] = set()  # senders that opened a stream (or were excluded)
         self._writers: set[asyncio.Task[None]] = set()
-        self.bytes_sent = 0
-        self.bytes_received = 0
+        self._bytes_out = 0  # averages sent on the streams this peer serves as an aggregator
+        self._bytes_in = 0  # chunks received on them
+
+    @property
+    def bytes_sent(self) -> int:
+        """Payload bytes this peer sent in the round: its chunks, and the averages of its part."""
+        return self._bytes_out + (self.sender.bytes_sent if self.sender is not None else 0)
+
+    @property
+    def bytes_received(self) -> int:
+        """Payload bytes this peer received in the round: averages, and chunks of its part."""
+        return self._bytes_in + (self.sender.bytes_received if self.sender is not None else 0)
 
     # --- the round ----------------------------------------------------------------------------
 
@@ -154,10 +174,11 @@ class AllReduceRunner:
         """
         self.tasks.mark("start")
         try:
+            sender = self.sender
             exchanges = {
-                k: self.tasks.spawn(self._exchange_part(k))
+                k: self.tasks.spawn(sender.exchange_part(k))
                 for k in range(len(self.group))
-                if k != self.me and self.plan.part_sizes[k] > 0 and self.sends
+                if k != self.me and self.plan.part_sizes[k] > 0 and sender is not None
             }
             reducing = self.tasks.spawn(self._reduce()) if self.reducer is not None else None
             waiting = set(exchanges.values()) | ({reducing} if reducing is not None else set())
@@ -215,7 +236,7 @@ class AllReduceRunner:
 
     def _commit(self, parts: Sequence[PartReport]) -> None:
         """Write the averages into the tensors, now that the round is over (all or nothing)."""
-        if not self.sends:
+        if self.sender is None:
             return  # auxiliary peers hold no values of their own
         for part in parts:
             for spec, peers in zip(self.plan.parts[part.part_index], part.chunk_peers, strict=True):
@@ -228,47 +249,9 @@ class AllReduceRunner:
                     if averaged is not None:
                         target.copy_(averaged)
                 else:
-                    staged = self.staging[spec.tensor_index]
-                    target.copy_(staged[spec.tensor_offset : spec.tensor_offset + spec.size])
+                    target.copy_(self.sender.staged(spec))
 
-    # --- sender side: one stream per aggregator --------------------------------------------------
-
-    async def _exchange_part(self, k: int) -> PartReport:
-        aggregator = self.group.peers[k]
-        try:
-            stream = await self.peer.open_stream(
-                aggregator, PROTOCOL, timeout=self.timeouts.connect
-            )
-        except PeerUnavailable:
-            self._unreachable(aggregator)
-            raise
-        sending: asyncio.Task[None] | None = None
-        try:
-            header = {
-                "prefix": self.prefix,
-                "group_id": self.group.group_id,
-                "group_hash": self.group.hash,
-                "part": k,
-            }
-            await stream.send_message(
-                wire.packb(header), timeout=self.tasks.remaining(self.timeouts.connect)
-            )
-            sending = self.tasks.spawn(self._send_part(stream, k))
-            chunk_peers = await self._receive_averages(stream, k)
-            await asyncio.wait_for(sending, self.tasks.remaining(self.timeouts.reducer))
-        except BaseException as e:
-            if sending is not None:
-                sending.cancel()
-            stream.reset("cancelled", type(e).__name__)
-            if isinstance(e, PeerUnavailable):  # its connection is gone: it will not send either
-                self._unreachable(aggregator)
-            if isinstance(e, RemoteError) and "GroupMismatch" in e.message:
-                self._abort(f"aggregator {aggregator.short()} sees another group: {e.message}")
-            elif isinstance(e, PeerError | KitTimeout | asyncio.TimeoutError):
-                logger.info("part %d from %s dropped: %s", k, aggregator.short(), e)
-            raise
-        senders = frozenset(self.group.peers[i] for i in self.group.senders)
-        return PartReport(k, senders, chunk_peers)
+    # --- aggregator side -----------------------------------------------------------------------
 
     def _unreachable(self, member: PeerID) -> None:
         """``member`` cannot be reached: if it has not streamed to us yet, it never will."""
@@ -277,80 +260,6 @@ class AllReduceRunner:
             logger.info("excluding %s from part %d: unreachable", member.short(), self.me)
             self._connected.add(member)
             self._completed(reducer.exclude(member))
-
-    async def _send_part(self, stream: StreamAPI, k: int) -> None:
-        try:
-            await self._send_chunks(stream, k)
-        except BaseException as e:  # the aggregator must not wait for the rest
-            stream.reset("cancelled", type(e).__name__)
-            if isinstance(e, NonFiniteLocalTensor):
-                logger.warning("part %d not sent: this peer's tensors hold NaN or inf", k)
-            raise
-
-    async def _send_chunks(self, stream: StreamAPI, k: int) -> None:
-        for spec, view in self.plan.iter_part(self.tensors, k):
-            serialized = self.compression.compress(view, self.plan.compression_info(spec))
-            payload = memoryview(serialized.buffer).cast("B")
-            chunk_header = {"chunk": spec.chunk_index, **serialized.header()}
-            timeout = self.tasks.remaining(self.timeouts.reducer)
-            await stream.send_message(wire.packb(chunk_header), timeout=timeout)
-            await stream.send_message(payload, timeout=timeout)
-            self.bytes_sent += len(payload)
-        self.tasks.mark(f"queued_part{k}")  # all handed to the connection (not yet on the wire)
-        await stream.close()
-
-    async def _receive_averages(self, stream: StreamAPI, k: int) -> tuple[frozenset[PeerID], ...]:
-        chunk_peers = []
-        allowed = sum(self.sender_bits.values())
-        for spec in self.plan.parts[k]:
-            timeout = self.tasks.remaining(self.timeouts.reducer)
-            header = await receive_header(stream, timeout)
-            mask = None if header is None else decode_peer_set(header.get("peers"))
-            if header is None or header["chunk"] != spec.chunk_index:
-                raise RemoteProtocolError(f"expected the average of chunk {spec.chunk_index}")
-            if mask is None or mask & ~allowed:
-                raise RemoteProtocolError(f"chunk {spec.chunk_index}: bad peer set {mask!r:.40}")
-            if mask:
-                await self._receive_average(stream, header, spec, timeout)
-            chunk_peers.append(frozenset(p for p, bit in self.sender_bits.items() if mask & bit))
-            if len(chunk_peers) == 1:
-                self.tasks.mark(f"first_average_of_part{k}")
-        self.tasks.mark(f"got_part{k}")
-        return tuple(chunk_peers)
-
-    async def _receive_average(
-        self, stream: StreamAPI, header: dict[str, Any], spec: ChunkSpec, timeout: float | None
-    ) -> None:
-        dtype = self.plan.tensors[spec.tensor_index].dtype
-        target = self.staging[spec.tensor_index][
-            spec.tensor_offset : spec.tensor_offset + spec.size
-        ]
-        delta = header.get("delta", False)
-        if not isinstance(delta, bool):
-            raise RemoteProtocolError(f"chunk {spec.chunk_index}: delta must be true or false")
-        codec_header = tensor_header(header, spec, payload_bound(spec, dtype.itemsize))
-        if not delta and is_raw(codec_header, spec, dtype):
-            await receive_into(stream, target.view(torch.uint8).numpy().data, timeout)
-            self.bytes_received += codec_header["nbytes"]
-            if not is_finite(target):
-                raise InvalidTensor(f"the average of chunk {spec.chunk_index} holds NaN or inf")
-            return
-        buffer = self.buffers.take(codec_header["nbytes"])
-        try:
-            view = memoryview(buffer)[: codec_header["nbytes"]]
-            await receive_into(stream, view, timeout)
-            self.bytes_received += len(view)
-            values = decode_chunk(codec_header, view, spec, dtype)
-        finally:
-            self.buffers.give_back(buffer)
-        if delta:  # our exact values plus the compressed difference to the average
-            torch.add(self.plan.chunk_view(self.tensors, spec), values, out=target)
-            if not is_finite(target):
-                raise InvalidTensor(f"the average of chunk {spec.chunk_index} holds NaN or inf")
-        else:
-            target.copy_(values)
-
-    # --- aggregator side -----------------------------------------------------------------------
 
     async def _reduce(self) -> None:
         """Add this peer's own chunks, exclude senders that never connect, and wait until every
@@ -498,7 +407,7 @@ class AllReduceRunner:
             try:
                 view = memoryview(buffer)[: codec_header["nbytes"]]
                 await receive_into(stream, view, timeout)
-                self.bytes_received += len(view)
+                self._bytes_in += len(view)
                 completed = self._add_chunk(sender, header["chunk"], codec_header, buffer, spec)
             finally:
                 self.buffers.give_back(buffer)
@@ -551,5 +460,5 @@ class AllReduceRunner:
             await stream.send_message(header, timeout=timeout)
             if payload is not None:
                 await stream.send_message(payload, timeout=timeout)
-                self.bytes_sent += len(payload)
+                self._bytes_out += len(payload)
         await stream.close()

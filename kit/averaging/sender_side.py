@@ -1,0 +1,200 @@
+"""A sender's side of one all-reduce round: its parts out, the averages back, staged.
+
+Holds ``SenderSide``: for each other aggregator of the group, this peer opens one stream
+(``chunk_stream.PROTOCOL``), sends the round's header and then that part's chunks of its own
+vector in order, compressed, while it reads the averages coming back on the same stream. Each
+average is checked (the chunk expected, a peer set within the group's senders, finite values)
+and lands in ``staging``, a flat copy of the tensors that the round writes into the tensors only
+when it ends (``AllReduceRunner._commit``: all or nothing per part). With a lossy codec the
+aggregator sends ``delta`` (the compressed difference between the average and what this peer
+sent), added here to this peer's exact values: one rounding of a small difference instead of a
+second rounding of the whole average (``kit.averaging.averages``).
+
+Separate from ``allreduce`` (the round: which parts, the aggregator's side, the report and the
+commit) because a sender's streams are a concern of their own: they meet the round only where a
+part is dropped (its aggregator unreachable, or seeing another group: the callbacks) and where
+the staged averages are written back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from kit.averaging.chunk_stream import (
+    PROTOCOL,
+    RoundBuffers,
+    decode_chunk,
+    decode_peer_set,
+    is_raw,
+    payload_bound,
+    receive_header,
+    receive_into,
+    tensor_header,
+)
+from kit.averaging.compression import CompressionBase, is_finite
+from kit.averaging.group import GroupInfo
+from kit.averaging.partition import ChunkSpec, PartitionPlan, PartReport
+from kit.averaging.round_tasks import RoundTasks
+from kit.errors import (
+    InvalidTensor,
+    KitTimeout,
+    NonFiniteLocalTensor,
+    PeerError,
+    PeerUnavailable,
+    RemoteError,
+    RemoteProtocolError,
+)
+from kit.p2p import wire
+from kit.p2p.api import PeerAPI, StreamAPI
+from kit.p2p.identity import PeerID
+
+logger = logging.getLogger("kit.averaging.allreduce")  # the round's log, as before the split
+
+
+class SenderSide:
+    """This peer's streams to the other aggregators of one round (it sends a vector)."""
+
+    def __init__(
+        self,
+        peer: PeerAPI,
+        prefix: str,
+        group: GroupInfo,
+        tensors: Sequence[torch.Tensor],
+        plan: PartitionPlan,
+        compression: CompressionBase,
+        buffers: RoundBuffers,
+        tasks: RoundTasks,
+        sender_bits: Mapping[PeerID, int],
+        unreachable: Callable[[PeerID], None],
+        abort: Callable[[str], None],
+    ) -> None:
+        """``sender_bits``: each sender's bit in an average's peer set; ``unreachable(member)``:
+        a member's connection is gone; ``abort(reason)``: an aggregator sees another group."""
+        self.peer, self.prefix, self.group = peer, prefix, group
+        self.tensors, self.plan, self.compression = tensors, plan, compression
+        self.buffers, self.tasks, self.timeouts = buffers, tasks, tasks.timeouts
+        self.sender_bits, self._unreachable, self._abort = sender_bits, unreachable, abort
+        self.staging = buffers.staging_for(tensors)  # the averages of the other parts land here
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def staged(self, spec: ChunkSpec) -> torch.Tensor:
+        """The received average of chunk ``spec`` (flat)."""
+        return self.staging[spec.tensor_index][spec.tensor_offset : spec.tensor_offset + spec.size]
+
+    async def exchange_part(self, k: int) -> PartReport:
+        """Send part ``k`` to its aggregator and stage the averages it sends back.
+
+        Raises:
+            PeerError, KitTimeout, asyncio.TimeoutError: the part is dropped (left local).
+        """
+        aggregator = self.group.peers[k]
+        try:
+            stream = await self.peer.open_stream(
+                aggregator, PROTOCOL, timeout=self.timeouts.connect
+            )
+        except PeerUnavailable:
+            self._unreachable(aggregator)
+            raise
+        sending: asyncio.Task[None] | None = None
+        try:
+            header = {
+                "prefix": self.prefix,
+                "group_id": self.group.group_id,
+                "group_hash": self.group.hash,
+                "part": k,
+            }
+            await stream.send_message(
+                wire.packb(header), timeout=self.tasks.remaining(self.timeouts.connect)
+            )
+            sending = self.tasks.spawn(self._send_part(stream, k))
+            chunk_peers = await self._receive_averages(stream, k)
+            await asyncio.wait_for(sending, self.tasks.remaining(self.timeouts.reducer))
+        except BaseException as e:
+            if sending is not None:
+                sending.cancel()
+            stream.reset("cancelled", type(e).__name__)
+            if isinstance(e, PeerUnavailable):  # its connection is gone: it will not send either
+                self._unreachable(aggregator)
+            if isinstance(e, RemoteError) and "GroupMismatch" in e.message:
+                self._abort(f"aggregator {aggregator.short()} sees another group: {e.message}")
+            elif isinstance(e, PeerError | KitTimeout | asyncio.TimeoutError):
+                logger.info("part %d from %s dropped: %s", k, aggregator.short(), e)
+            raise
+        senders = frozenset(self.group.peers[i] for i in self.group.senders)
+        return PartReport(k, senders, chunk_peers)
+
+    async def _send_part(self, stream: StreamAPI, k: int) -> None:
+        try:
+            await self._send_chunks(stream, k)
+        except BaseException as e:  # the aggregator must not wait for the rest
+            stream.reset("cancelled", type(e).__name__)
+            if isinstance(e, NonFiniteLocalTensor):
+                logger.warning("part %d not sent: this peer's tensors hold NaN or inf", k)
+            raise
+
+    async def _send_chunks(self, stream: StreamAPI, k: int) -> None:
+        for spec, view in self.plan.iter_part(self.tensors, k):
+            serialized = self.compression.compress(view, self.plan.compression_info(spec))
+            payload = memoryview(serialized.buffer).cast("B")
+            chunk_header = {"chunk": spec.chunk_index, **serialized.header()}
+            timeout = self.tasks.remaining(self.timeouts.reducer)
+            await stream.send_message(wire.packb(chunk_header), timeout=timeout)
+            await stream.send_message(payload, timeout=timeout)
+            self.bytes_sent += len(payload)
+        self.tasks.mark(f"queued_part{k}")  # all handed to the connection (not yet on the wire)
+        await stream.close()
+
+    async def _receive_averages(self, stream: StreamAPI, k: int) -> tuple[frozenset[PeerID], ...]:
+        chunk_peers = []
+        allowed = sum(self.sender_bits.values())
+        for spec in self.plan.parts[k]:
+            timeout = self.tasks.remaining(self.timeouts.reducer)
+            header = await receive_header(stream, timeout)
+            mask = None if header is None else decode_peer_set(header.get("peers"))
+            if header is None or header["chunk"] != spec.chunk_index:
+                raise RemoteProtocolError(f"expected the average of chunk {spec.chunk_index}")
+            if mask is None or mask & ~allowed:
+                raise RemoteProtocolError(f"chunk {spec.chunk_index}: bad peer set {mask!r:.40}")
+            if mask:
+                await self._receive_average(stream, header, spec, timeout)
+            chunk_peers.append(frozenset(p for p, bit in self.sender_bits.items() if mask & bit))
+            if len(chunk_peers) == 1:
+                self.tasks.mark(f"first_average_of_part{k}")
+        self.tasks.mark(f"got_part{k}")
+        return tuple(chunk_peers)
+
+    async def _receive_average(
+        self, stream: StreamAPI, header: dict[str, Any], spec: ChunkSpec, timeout: float | None
+    ) -> None:
+        dtype = self.plan.tensors[spec.tensor_index].dtype
+        target = self.staged(spec)
+        delta = header.get("delta", False)
+        if not isinstance(delta, bool):
+            raise RemoteProtocolError(f"chunk {spec.chunk_index}: delta must be true or false")
+        codec_header = tensor_header(header, spec, payload_bound(spec, dtype.itemsize))
+        if not delta and is_raw(codec_header, spec, dtype):
+            await receive_into(stream, target.view(torch.uint8).numpy().data, timeout)
+            self.bytes_received += codec_header["nbytes"]
+            if not is_finite(target):
+                raise InvalidTensor(f"the average of chunk {spec.chunk_index} holds NaN or inf")
+            return
+        buffer = self.buffers.take(codec_header["nbytes"])
+        try:
+            view = memoryview(buffer)[: codec_header["nbytes"]]
+            await receive_into(stream, view, timeout)
+            self.bytes_received += len(view)
+            values = decode_chunk(codec_header, view, spec, dtype)
+        finally:
+            self.buffers.give_back(buffer)
+        if delta:  # our exact values plus the compressed difference to the average
+            torch.add(self.plan.chunk_view(self.tensors, spec), values, out=target)
+            if not is_finite(target):
+                raise InvalidTensor(f"the average of chunk {spec.chunk_index} holds NaN or inf")
+        else:
+            target.copy_(values)
