@@ -2,6 +2,7 @@
 
 Pure cores (no networking, no clocks), in dependency order:
 
+    quantization.py        the 8-bit codecs' kernels: each value's bucket, fast, in work chunks
     compression.py         codecs with hivemind's wire ids and byte layouts, validated on receipt
     balancing.py           which share of the vector each peer aggregates (DeDLOC's LP)
     partition.py           tensors -> parts -> chunks, the aggregator's reducer, the round report

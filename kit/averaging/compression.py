@@ -22,20 +22,31 @@ decoded NaN/inf (``NonFiniteTensor``), so neither a diverged nor a hostile peer 
 average. Each check costs one sum, not an extra pass per element (see ``is_finite``).
 
 Speed (one 72 MB part per round): work runs in cache-sized chunks so temporaries cost no page
-faults, outputs are written in place into the final buffer, and decoding is one table lookup.
+faults, outputs are written in place into the final buffer, and decoding is one table lookup
+(the 8-bit codecs' kernels are in ``kit.averaging.quantization``).
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
+from kit.averaging.quantization import (
+    LINEAR_CODE,
+    Assignment,
+    bitsandbytes_blockwise,
+    blockwise_linear,
+    bucket_means,
+    lookup,
+    quantile_buckets,
+    scale_blocks,
+    uniform_buckets,
+)
 from kit.averaging.serialized import (
     BLOCK_SIZE,
     DEFAULT_MAX_NUMEL,
@@ -55,14 +66,7 @@ from kit.averaging.serialized import (
 )
 from kit.errors import ConfigError, NonFiniteLocalTensor, NonFiniteTensor
 
-logger = logging.getLogger(__name__)
-
-RANGE_IN_SIGMAS = 6  # Uniform8BitQuantization's bucket range (hivemind's RANGE_IN_SIGMAS)
-QUANTILE_SAMPLE = 2**14  # values sampled to place the quantile borders: 64 per bucket
-QUANTILE_GRID = 2**16  # fine bins of the border lookup table (see Quantile8BitQuantization)
-WORK_CHUNK = 2**20  # values per step on CPU: temporaries stay in cache, no page faults
 FP16_MAX = float(torch.finfo(torch.float16).max)
-SAMPLE_SEED = 0x5EED  # quantile sampling is seeded: the same tensor gives the same bytes
 
 
 def is_finite(tensor: torch.Tensor) -> bool:
@@ -105,12 +109,6 @@ def _pack(*pieces: torch.Tensor, payload: int = 0) -> tuple[torch.Tensor, torch.
 def _as_buffer(tensor: torch.Tensor) -> memoryview:
     """A zero-copy byte view of a contiguous CPU tensor (the view keeps it alive)."""
     return tensor.reshape(-1).view(torch.uint8).numpy().data
-
-
-def _work_chunks(n: int, device: torch.device) -> list[tuple[int, int]]:
-    """Ranges of at most WORK_CHUNK values (multiples of BLOCK_SIZE); one range on GPUs."""
-    step = WORK_CHUNK if device.type == "cpu" else max(n, 1)  # GPU allocations are cached
-    return [(start, min(start + step, n)) for start in range(0, n, step)]
 
 
 class CompressionBase(ABC):
@@ -258,9 +256,6 @@ class ScaledFloat16Compression(Float16Compression):
         return values
 
 
-Assignment = Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]
-
-
 class _Quantization(_LeafCodec):
     """8-bit indices into a codebook holding the mean of each of 256 buckets (hivemind's)."""
 
@@ -277,14 +272,8 @@ class _Quantization(_LeafCodec):
         buffer, indices = _pack(count, torch.zeros(N_BINS), payload=flat.numel())
         if flat.numel() == 0:
             return _as_buffer(buffer)
-        sums = torch.zeros(N_BINS, dtype=torch.float64, device=flat.device)
-        counts = torch.zeros(N_BINS, dtype=torch.int64, device=flat.device)
         empty_buckets, assignment = self._assign(flat)
-        for start, stop, values, buckets in assignment:
-            sums += torch.bincount(buckets, weights=values, minlength=N_BINS)
-            counts += torch.bincount(buckets, minlength=N_BINS)
-            indices[start:stop].copy_(buckets)
-        codebook = torch.where(counts > 0, sums / counts.clamp_min(1), empty_buckets.to(sums))
+        codebook = bucket_means(empty_buckets, assignment, indices, flat.device)
         buffer[8 : 8 + 4 * N_BINS].copy_(codebook.float().cpu().view(torch.uint8))
         return _as_buffer(buffer)
 
@@ -293,9 +282,7 @@ class _Quantization(_LeafCodec):
         n = math.prod(s.shape)
         codebook = np.frombuffer(s.buffer, dtype="<f4", count=N_BINS, offset=8)
         indices = np.frombuffer(s.buffer, dtype=np.uint8, count=n, offset=8 + 4 * N_BINS)
-        out = torch.empty(n)
-        np.take(codebook, indices, out=out.numpy(), mode="wrap")  # u8 < 256: no bounds checks
-        return out
+        return lookup(codebook, indices)
 
 
 class Uniform8BitQuantization(_Quantization):
@@ -304,23 +291,7 @@ class Uniform8BitQuantization(_Quantization):
     codec = Codec.UNIFORM_8BIT
 
     def _assign(self, flat: torch.Tensor) -> tuple[torch.Tensor, Assignment]:
-        n, chunks = flat.numel(), _work_chunks(flat.numel(), flat.device)
-        mean = sum(float(flat[a:b].sum(dtype=torch.float64)) for a, b in chunks) / n
-        squares = 0.0
-        for a, b in chunks:  # two passes: sum((x - mean)^2) does not cancel like sum(x^2) would
-            centered = flat[a:b].float() - mean
-            squares += float(torch.dot(centered, centered))
-        scale = RANGE_IN_SIGMAS * math.sqrt(squares / max(n - 1, 1)) / N_BINS
-        scale = scale if 0 < scale < math.inf else 1.0  # a constant tensor: all in bucket 128
-        centers = mean + (torch.arange(N_BINS, dtype=torch.float64) - N_BINS // 2) * scale
-
-        def assignment() -> Assignment:
-            for a, b in chunks:
-                values = flat[a:b].float()
-                buckets = torch.mul(values, 1 / scale).add_(N_BINS // 2 - mean / scale).round_()
-                yield a, b, values, buckets.clamp_(0, N_BINS - 1).to(torch.uint8)
-
-        return centers, assignment()
+        return uniform_buckets(flat)
 
 
 class Quantile8BitQuantization(_Quantization):
@@ -335,42 +306,7 @@ class Quantile8BitQuantization(_Quantization):
     codec = Codec.QUANTILE_8BIT
 
     def _assign(self, flat: torch.Tensor) -> tuple[torch.Tensor, Assignment]:
-        n, device, grid = flat.numel(), flat.device, QUANTILE_GRID
-        sample = flat
-        if n > QUANTILE_SAMPLE:
-            generator = torch.Generator(device=device).manual_seed(SAMPLE_SEED)
-            picks = torch.randint(0, n, (QUANTILE_SAMPLE,), generator=generator, device=device)
-            sample = flat[picks]
-        ordered = _sorted(sample.float())
-        ranks = torch.arange(1, N_BINS, dtype=torch.float64, device=device) / N_BINS
-        borders = ordered[(ranks * (ordered.numel() - 1)).round().long()].contiguous()
-        low, width = float(borders[0]), float(borders[-1] - borders[0])
-        exact = not (0 < width < math.inf and math.isfinite(grid / width))
-        # In fine units u(x) = (x - low) * grid / width, x goes to table[floor(u) + 1] (0 below
-        # `low`, grid + 1 above the top border), and table[j] = #{borders with u < j - 1}: the
-        # exact bucket of the fine bin's left edge, counted without any search.
-        fine_borders = ((borders.double() - low) * (grid / width if not exact else 0)).floor_()
-        below = torch.bincount(fine_borders.long().clamp_(0, grid), minlength=grid + 1).cumsum(0)
-        table = torch.cat([below.new_zeros(2), below[: grid - 1], below.new_full((1,), N_BINS - 1)])
-        table = table.to(torch.uint8)
-
-        def assignment() -> Assignment:
-            for a, b in _work_chunks(n, device):
-                values = flat[a:b].float()
-                if exact:  # (nearly) constant values: a slower binary search, exact
-                    yield a, b, values, torch.bucketize(values, borders).to(torch.uint8)
-                    continue
-                fine = torch.sub(values, low).mul_(grid / width).floor_().add_(1)
-                fine = fine.clamp_(0, grid + 1).to(torch.int32)
-                yield a, b, values, torch.index_select(table, 0, fine)
-
-        return torch.cat([borders[:1], borders]).double(), assignment()
-
-
-def _sorted(values: torch.Tensor) -> torch.Tensor:
-    if values.device.type == "cpu":  # numpy's vectorised sort is ~30x faster than torch's here
-        return torch.from_numpy(np.sort(values.numpy()))
-    return values.sort().values
+        return quantile_buckets(flat)
 
 
 class BlockwiseQuantization(_LeafCodec):
@@ -382,33 +318,17 @@ class BlockwiseQuantization(_LeafCodec):
     """
 
     codec, value_bits = Codec.BLOCKWISE_8BIT, 8
-    LINEAR_CODE = (torch.arange(N_BINS, dtype=torch.float32) - 127) / 127
+    LINEAR_CODE = LINEAR_CODE  # code[k] = (k - 127) / 127 (kit.averaging.quantization)
 
     def _encode(self, tensor: torch.Tensor, allow_inplace: bool) -> Buffer:
         flat = tensor.reshape(-1)
         n, n_blocks = flat.numel(), -(-flat.numel() // BLOCK_SIZE)
         counts = torch.tensor([n_blocks, N_BINS], dtype=torch.int64)
-        quantized = _bitsandbytes_quantize(flat) if flat.is_cuda else None
+        quantized = bitsandbytes_blockwise(flat) if flat.is_cuda else None
         if quantized is not None:
             return _as_buffer(_pack(counts, quantized[1], quantized[2], quantized[0])[0])
-        absmax = torch.empty(n_blocks, device=flat.device)
         buffer, indices = _pack(counts, torch.zeros(n_blocks), self.LINEAR_CODE, payload=n)
-        for start, stop in _work_chunks(n, flat.device):  # chunks hold whole blocks
-            values = flat[start:stop].float()
-            whole = values.numel() // BLOCK_SIZE * BLOCK_SIZE
-            for begin, rows in (
-                (0, values[:whole].view(-1, BLOCK_SIZE)),
-                (whole, values[whole:].view(1, -1)),
-            ):
-                if rows.numel() == 0:
-                    continue
-                low, high = torch.aminmax(rows, dim=1)
-                block_max = torch.maximum(high, low.neg())
-                first = (start + begin) // BLOCK_SIZE
-                absmax[first : first + rows.shape[0]] = block_max
-                inverse = torch.where(block_max > 0, 127 / block_max, torch.zeros_like(block_max))
-                codes = torch.mul(rows, inverse[:, None]).round_().add_(127)
-                indices[start + begin : start + begin + codes.numel()].copy_(codes.view(-1))
+        absmax = blockwise_linear(flat, indices)
         buffer[16 : 16 + 4 * n_blocks].copy_(absmax.cpu().view(torch.uint8))
         return _as_buffer(buffer)
 
@@ -419,26 +339,9 @@ class BlockwiseQuantization(_LeafCodec):
         absmax = _read(s.buffer, "<f4", n_blocks, 16)
         code = np.frombuffer(s.buffer, dtype="<f4", count=N_BINS, offset=16 + 4 * n_blocks)
         indices = np.frombuffer(s.buffer, np.uint8, count=n, offset=16 + 4 * n_blocks + 4 * N_BINS)
-        out = torch.empty(n)
-        np.take(code, indices, out=out.numpy(), mode="wrap")
-        whole = n // BLOCK_SIZE * BLOCK_SIZE
-        out[:whole].view(-1, BLOCK_SIZE).mul_(absmax[: whole // BLOCK_SIZE, None])
-        out[whole:].mul_(absmax[n_blocks - 1 :])
+        out = lookup(code, indices)
+        scale_blocks(out, absmax)
         return out
-
-
-def _bitsandbytes_quantize(flat: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-    """(indices, absmax, code) from bitsandbytes' CUDA kernel, or None without it."""
-    try:
-        from bitsandbytes.functional import quantize_blockwise  # optional, only used on CUDA
-    except ImportError:
-        return None
-    indices, state = quantize_blockwise(flat.float().contiguous())
-    absmax, code = state if isinstance(state, tuple) else (state.absmax, state.code)
-    if absmax.numel() != -(-flat.numel() // BLOCK_SIZE) or code.numel() != N_BINS:
-        logger.warning("bitsandbytes used another block size; BlockwiseQuantization uses torch")
-        return None
-    return indices, absmax.float(), code.float()
 
 
 class AdaptiveCompressionBase(CompressionBase):
