@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from kit.averaging.averages import OutgoingAverages
+from kit.averaging.background_threads import limit_torch_threads, with_limited_torch_threads
 from kit.averaging.chunk_stream import (
     RoundBuffers,
     decode_chunk,
@@ -172,6 +173,7 @@ class AllReduceRunner:
         Raises:
             GroupMismatch: a member disagreed about the group; nothing was written.
         """
+        limit_torch_threads()  # the training thread owns the cores (background_threads says why)
         self.tasks.mark("start")
         try:
             sender = self.sender
@@ -324,7 +326,7 @@ class AllReduceRunner:
         # CenteredClip reads senders x part a few dozen times: off the event loop, which also
         # serves the DHT and the other streams. The reducer writes only its own buffers.
         try:
-            await asyncio.to_thread(reducer.compute)
+            await asyncio.to_thread(with_limited_torch_threads(reducer.compute))
         except NothingToAggregate as e:  # nobody gets this part: it stays local everywhere
             logger.warning("part %d not averaged: %s", self.me, e)
             assert self._averages is not None

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from kit.averaging.background_threads import limit_torch_threads
+
 
 class InnerOptimizer:
     """The wrapped torch optimizer, its parameters, and at most one step in flight.
@@ -51,7 +53,11 @@ class InnerOptimizer:
         self.master = [p for group in self.opt.param_groups for p in group["params"]]
         self.has_copies = any(m is not p for m, p in zip(self.master, self.params, strict=True))
         self._executor = (
-            concurrent.futures.ThreadPoolExecutor(1, "kit-optimizer-step") if delay else None
+            concurrent.futures.ThreadPoolExecutor(
+                1, "kit-optimizer-step", initializer=limit_torch_threads
+            )
+            if delay
+            else None
         )
         self._pending: concurrent.futures.Future[None] | None = None
 
