@@ -282,7 +282,14 @@ class EpochDriver:
         if self.roll_back_if_not_finite():
             return  # nothing of that step is shared or averaged
         self.report()  # a report held while the round ran may go now
-        self.publish_state()
+        self._begin_parameter_round()  # (before serving: the state says it will still move)
+        if self.state_round.moves_parameters and not self.delay_state_averaging:
+            self.finish_state_round(wait=None)  # lands now, and serves the averaged state
+        else:
+            self.publish_state()
+
+    def _begin_parameter_round(self) -> None:
+        """Begin the parameter round of our epoch if one is due."""
         epoch = self.life.epoch
         needed = state_averaging_needed(
             epoch,
@@ -299,15 +306,15 @@ class EpochDriver:
         # The group of the gradient round we just took part in is who will be here; the tracker
         # may still see some of them at the previous epoch for a moment.
         expected = self.life.last_group_size or self.tracker.peers_at_epoch(epoch)
+        logger.debug("a parameter round begins at epoch %d (%d peers expected)", epoch, expected)
         self.life.parameter_round_began()
         self.state_round.start(
             self.averaged.current(),
             group_bits(epoch),
             expected,
             timeout=self.rounds.search_time if self.rounds else 2 * self.matchmaking_time + 1.0,
+            epoch=epoch,
         )
-        if not self.delay_state_averaging:
-            self.finish_state_round(wait=None)
 
     def roll_back_if_not_finite(self) -> bool:
         """Undo a step that left any parameter inf or NaN; True if it did.
@@ -336,29 +343,73 @@ class EpochDriver:
         return True
 
     def finish_state_round(self, wait: float | None) -> None:
+        """Apply the parameter round if it is over, and serve the state it leaves."""
         if not self.state_round.running or self.inner.pending:
             return  # never move the parameters under a running optimizer step
+        moves, rebased = self.state_round.moves_parameters, self.state_round.rebased
         over, result = self.state_round.finish(wait)
-        if not over or result is None:
+        if not over:
             return
-        logger.debug("parameters averaged with %d peers (full: %s)", len(result), result.is_full)
-        complete = self.state_round.complete(result)
-        self.act(self.life.parameters_averaged(complete=complete, local_updates=self.local_updates))
-        self.publish_state()
+        complete = result is not None and self.state_round.complete(result)
+        if result is not None:
+            logger.debug(
+                "parameters averaged with %d peers (full: %s)", len(result), result.is_full
+            )
+            actions = self.life.parameters_averaged(
+                complete=complete, local_updates=self.local_updates
+            )
+            self.act(actions)
+        if rebased and not complete:
+            # We loaded a state its donor was averaging in this very round: what the round
+            # gave the donor, we did not all get.
+            self.act(self.life.drifted_by())
+        if moves:
+            self.publish_state()  # it was served marked as still moving
 
     # --- the state --------------------------------------------------------------------------
 
     def publish_state(self, *, even_auxiliary: bool = False) -> None:
+        """Serve the state now, marked with the parameter round that will still move it (the
+        delta of a running round lands on these tensors later: see ``load``)."""
         if self.auxiliary and not even_auxiliary:
             return  # an auxiliary peer's parameters are not trained: nothing to share
-        self.sharing.publish(self.life.epoch, drifted=self.life.drifted)
+        moving = self.state_round.epoch if self.state_round.moves_parameters else None
+        self.sharing.publish(self.life.epoch, drifted=self.life.drifted, averaging_round=moving)
 
     def load(self, snapshot: StateSnapshot, *, keep_accumulated: bool) -> None:
         """Load a state. ``keep_accumulated``: it is of our current epoch, and what we
-        accumulated toward it stays (computed on one-step-old parameters: DeDLOC tolerates it)."""
-        self.sharing.load(snapshot)
+        accumulated toward it stays (computed on one-step-old parameters: DeDLOC tolerates it).
+
+        A parameter round of ours still running averaged the parameters we had before, and a
+        donor's state may still be moved by its own round (the state says which). Round and
+        state must agree, or we hold parameters nobody has, flagged in sync (the churn test of
+        tests/optim/test_optimizer.py ended ~1e-3 apart: a joiner took a donor's state just
+        before their common round averaged it with the joiner's drifted parameters):
+
+        * the donor averages in the same round as we do: our round's delta is taken from the
+          loaded tensors, so we land where the donor lands;
+        * the state is settled: our round is not applied to it (it runs on for the others);
+        * the donor's round is not ours: we cannot follow it, so we are flagged drifted.
+        """
+        pending = self.sharing.load(snapshot)  # the donor's round that will still move it
+        # (captured as the round began: a donor's later steps would be missing from its delta)
+        same_round = pending == snapshot.epoch == self.state_round.epoch
+        if same_round and self.state_round.moves_parameters:
+            self.state_round.rebase(self.averaged.current())
+        else:
+            same_round = False
+            self.state_round.forget()
+        logger.debug(
+            "loaded the state of epoch %d (its parameter round: %s, ours: %s, followed: %s)",
+            snapshot.epoch,
+            pending,
+            self.state_round.epoch if self.state_round.running else None,
+            same_round,
+        )
         samples = self.accumulated.samples
         self.act(self.life.state_loaded(snapshot.epoch, samples, keep_accumulated=keep_accumulated))
+        if pending is not None and not same_round:
+            self.act(self.life.drifted_by())
         self.publish_state()
 
     def apply_refresh(self) -> None:
@@ -370,6 +421,12 @@ class EpochDriver:
             return
         old = snapshot is not None and snapshot.epoch < self.life.epoch
         actions = self.life.refresh_landed(snapshot.epoch if snapshot is not None else None)
+        logger.debug(
+            "a downloaded state of epoch %s landed at epoch %d: %s",
+            snapshot.epoch if snapshot is not None else None,
+            self.life.epoch,
+            actions,
+        )
         if old and snapshot is not None and AddRefreshDelta() not in actions:
             logger.info("the downloaded state (epoch %d) is already old", snapshot.epoch)
         for action in actions:

@@ -19,6 +19,10 @@ DeDLOC tolerates), or, if the peer stepped on meanwhile, added as a delta (state
 when the download began) so those steps are kept, as in delayed parameter averaging, and then
 fetched again (up to ``epochs.REFRESH_TRIES`` downloads) for an exact copy with the optimizer
 statistics; whatever remains is flagged as drift, which parameter averaging removes.
+
+A state served while a parameter round runs names that round (``averaging_round``): its delta
+will still move the donor's tensors, and the loader follows it only if it averages in the same
+round (``kit.optim.driver``'s ``load``).
 """
 
 from __future__ import annotations
@@ -203,23 +207,34 @@ class StateSharing:
 
     # --- this peer's state ------------------------------------------------------------------
 
-    def full_state(self, epoch: int) -> dict[str, Any]:
+    def full_state(self, epoch: int, averaging_round: int | None = None) -> dict[str, Any]:
         return {
             "epoch": epoch,
+            # The epoch of a parameter round whose delta will still move these tensors (None:
+            # settled); a peer loading them follows it only if it averages in that round too.
+            "averaging_round": averaging_round,
             "params": [p.detach() for p in self.inner.params],
             "extra": [t.detach() for t in self.extra],
             "optimizer": self.inner.opt.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
         }
 
-    def publish(self, epoch: int, *, drifted: bool) -> None:
-        """Serve a snapshot of the state now (the last shared one is what a rollback restores)."""
+    def publish(self, epoch: int, *, drifted: bool, averaging_round: int | None = None) -> None:
+        """Serve a snapshot of the state now (the last shared one is what a rollback restores);
+        ``averaging_round``: the epoch of a parameter round that will still move it."""
         try:
-            snapshot = StateSnapshot.capture(epoch, self.full_state(epoch), digest=False)
+            state = self.full_state(epoch, averaging_round)
+            snapshot = StateSnapshot.capture(epoch, state, digest=False)
         except KitError as e:
             logger.warning("cannot share the training state: %s", e)
             return
         self.last_shared = snapshot  # what a non-finite step rolls back to (set at once)
+        logger.debug(
+            "serving the state of epoch %d (drifted: %s, averaging round: %s)",
+            epoch,
+            drifted,
+            averaging_round,
+        )
         server = self.server
 
         async def publish(_: Any, node: Any) -> None:
@@ -259,11 +274,21 @@ class StateSharing:
                 )
         return extra
 
-    def load(self, snapshot: StateSnapshot) -> None:
-        """Load a state's tensors: parameters, extras, optimizer and scheduler (checked first)."""
+    def load(self, snapshot: StateSnapshot) -> int | None:
+        """Load a state's tensors: parameters, extras, optimizer and scheduler (checked first).
+
+        Returns the epoch of the parameter round its donor will still apply to it (None: none).
+        """
         state = snapshot.state()
         params = self.checked_params(state)
         extra = self._checked_extra(state)
+        averaging_round = state.get("averaging_round")
+        if averaging_round is not None and (
+            not isinstance(averaging_round, int) or isinstance(averaging_round, bool)
+        ):
+            raise StateDownloadFailed(
+                "the peers' state names no valid parameter round - help: update kit on every peer"
+            )
         self.inner.load(params)
         with torch.no_grad():
             for mine, theirs in zip(self.extra, extra, strict=True):
@@ -271,6 +296,7 @@ class StateSharing:
         self.inner.opt.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
+        return averaging_round
 
     def shutdown(self) -> None:
         self.cancel_refresh()

@@ -165,15 +165,48 @@ class DelayedStateAveraging:
         self._snapshot: list[torch.Tensor] = []
         self._future: concurrent.futures.Future[RoundResult | None] | None = None
         self._expected = 0
+        self.epoch = -1  # of the last round begun (its group's key)
+        self._forgotten = False  # a settled state was loaded meanwhile: the delta is not applied
+        self.rebased = False  # a state was loaded meanwhile: the delta is taken from it
 
     @property
     def running(self) -> bool:
         return self._future is not None
 
+    @property
+    def moves_parameters(self) -> bool:
+        """A round runs whose delta will move the parameters when it lands."""
+        return self._future is not None and not self._forgotten
+
+    def forget(self) -> None:
+        """A settled state was loaded: the running round (if any) averaged the parameters
+        before it, and its delta would move the loaded ones to values nobody holds. It runs on
+        (the others' group keeps its member) and lands as a round without a result."""
+        if self._future is not None:
+            self._forgotten = True
+            self.rebased = False
+
+    def rebase(self, source: Sequence[torch.Tensor]) -> None:
+        """A state was loaded whose donor averages in this same round, from these tensors: the
+        delta is taken from them, so the loaded state lands where the donor's does."""
+        if self._future is None:
+            return
+        self._snapshot = [t.detach().float().cpu().clone() for t in source]
+        self.rebased = True
+
     def start(
-        self, source: Sequence[torch.Tensor], group_bits: str, expected: int, timeout: float
+        self,
+        source: Sequence[torch.Tensor],
+        group_bits: str,
+        expected: int,
+        timeout: float,
+        *,
+        epoch: int = -1,
     ) -> None:
-        """Copy ``source`` (the current parameters) and begin a round in the background."""
+        """Copy ``source`` (the current parameters) and begin a round (of ``epoch``) in the
+        background."""
+        self.epoch = epoch
+        self._forgotten = self.rebased = False
         with self.averager.get_tensors() as buffers:
             for buffer, param in zip(buffers, source, strict=True):
                 buffer.copy_(param.detach().float().cpu())
@@ -205,6 +238,11 @@ class DelayedStateAveraging:
             logger.warning("parameter averaging failed: %s", e)
             result = None
         self._future = None
+        self.rebased = False
+        if self._forgotten:
+            self._forgotten = False
+            logger.debug("a parameter round landed after a settled state was loaded: not applied")
+            result = None
         if result is not None:
             with self.averager.get_tensors() as buffers:
                 deltas = [b - s for b, s in zip(buffers, self._snapshot, strict=True)]

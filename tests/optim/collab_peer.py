@@ -46,7 +46,7 @@ def main() -> int:
     logging.basicConfig(
         level=getattr(logging, os.environ.get("KIT_TEST_LOG", "WARNING")),
         stream=sys.stderr,
-        format="%(asctime)s %(name)s %(message)s",
+        format=f"%(asctime)s peer{args.peer_index} %(name)s %(message)s",
     )
     torch.manual_seed(0)
     torch.set_num_threads(1)

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from kit.errors import AveragingFailed
 from kit.optim.accumulation import GradientAccumulator
 from kit.optim.driver import EpochDriver
 from kit.optim.epoch_actions import DropAccumulated, FlagDrift, Publish, StartRefresh
@@ -19,9 +20,9 @@ from kit.optim.epochs import EpochLife, Phase, Refresh, Report, Sync
 from kit.optim.progress import GlobalProgress, PerformanceEMA
 from kit.optim.rounds import RoundOutcome
 from kit.optim.state import StateSnapshot
-from kit.optim.state_averaging import AveragedTensors
+from kit.optim.state_averaging import AveragedTensors, DelayedStateAveraging
 from kit.optim.stepping import InnerOptimizer
-from tests.optim.recorders import Result
+from tests.optim.recorders import Averager, Result
 
 SEARCH = 7.0  # s a round may look for its group
 
@@ -97,7 +98,10 @@ class Sharing:
         self.landed: tuple[bool, StateSnapshot | None] = (False, None)
         self.refreshing = False
         self.published: list[tuple[int, bool]] = []
+        self.averaging_rounds: list[int | None] = []  # the marks of what was published
         self.loaded: list[int] = []
+        self.load_tensors: list[torch.Tensor] = []  # what a load puts in the parameters, if set
+        self.inner: InnerOptimizer | None = None
 
     def cancel_prefetch(self) -> None:
         self.calls.append("cancel prefetch")
@@ -113,22 +117,40 @@ class Sharing:
     def add_refresh_delta(self, snapshot: StateSnapshot, epochs_late: int) -> None:
         self.calls.append(f"delta of {snapshot.epoch}, {epochs_late} late")
 
-    def load(self, snapshot: StateSnapshot) -> None:
+    def load(self, snapshot: StateSnapshot) -> int | None:
         self.loaded.append(snapshot.epoch)
+        if self.load_tensors and self.inner is not None:
+            self.inner.load(self.load_tensors)
+        averaging_round: int | None = snapshot.state().get("averaging_round")
+        return averaging_round
 
-    def publish(self, epoch: int, *, drifted: bool) -> None:
+    def publish(self, epoch: int, *, drifted: bool, averaging_round: int | None = None) -> None:
         self.published.append((epoch, drifted))
+        self.averaging_rounds.append(averaging_round)
 
 
 class StateRound:
     running = False
+    rebased = False
+    epoch = -1
 
     def __init__(self) -> None:
         self.started: list[int] = []
 
-    def start(self, source: Any, bits: str, expected: int, timeout: float) -> None:
+    def start(self, source: Any, bits: str, expected: int, timeout: float, epoch: int = -1) -> None:
         self.started.append(expected)
         self.running = True
+        self.epoch = epoch
+
+    @property
+    def moves_parameters(self) -> bool:
+        return self.running
+
+    def forget(self) -> None:
+        pass
+
+    def rebase(self, source: Any) -> None:
+        pass
 
     def finish(self, wait: float | None) -> tuple[bool, Result]:
         self.running = False
@@ -159,6 +181,7 @@ def make_driver(
         delay=delay,
     )
     tracker, rounds, sharing, clock = Tracker(), Rounds(), Sharing(), Clock()
+    sharing.inner = inner
     life = EpochLife()
     life.state_loaded(0, 0, keep_accumulated=False)  # joined at epoch 0, in sync
     driver = EpochDriver(
@@ -342,3 +365,97 @@ def test_a_background_round_holds_the_report_until_its_step_lands(averaged: bool
             assert tracker.reports[-1] == (1, 0)
     finally:
         driver.inner.shutdown()
+
+
+def with_real_parameter_rounds(driver: EpochDriver) -> tuple[Averager, list[torch.Tensor]]:
+    """The driver's parameter rounds through ``DelayedStateAveraging`` (the delta rule), on an
+    averager whose rounds the test ends; returns it and its buffers (what a round averaged)."""
+    buffers = [torch.zeros_like(p) for p in driver.inner.params]
+    averager = Averager(buffers)
+    driver.state_round = DelayedStateAveraging(averager, driver.averaged.add)  # type: ignore[arg-type]
+    return averager, buffers
+
+
+def drifted_global_step(driver: EpochDriver, tracker: Tracker) -> None:
+    """A drifted peer's global step: its parameter round of epoch 1 begins in the background."""
+    driver.act(driver.life.drifted_by())
+    backward(driver)
+    tracker.samples = 64
+    driver.step(64, None)
+    tracker.samples = 0
+    assert driver.life.epoch == 1 and driver.state_round.running
+
+
+def land(averager: Averager, buffers: list[torch.Tensor], average: float | None) -> None:
+    """End the running round: the group's average, or no group (None)."""
+    if average is None:
+        averager.steps[-1].set_exception(AveragingFailed("no group"))
+        return
+    for buffer in buffers:
+        buffer.fill_(average)
+    averager.steps[-1].set_result(Result(3))
+
+
+def test_a_state_served_while_its_parameter_round_runs_names_the_round() -> None:
+    driver, tracker, _, sharing, _ = make_driver()
+    averager, buffers = with_real_parameter_rounds(driver)
+    drifted_global_step(driver, tracker)
+    assert sharing.published[-1] == (1, True) and sharing.averaging_rounds[-1] == 1
+    land(averager, buffers, 3.0)
+    driver.step(0, None)  # a safe point: the round lands
+    assert all(torch.all(p == 3.0) for p in driver.inner.params)
+    assert sharing.published[-1] == (1, False) and sharing.averaging_rounds[-1] is None
+
+
+def test_a_parameter_round_without_a_group_serves_the_state_settled() -> None:
+    driver, tracker, _, sharing, _ = make_driver()
+    averager, buffers = with_real_parameter_rounds(driver)
+    drifted_global_step(driver, tracker)
+    land(averager, buffers, None)
+    driver.step(0, None)
+    assert sharing.published[-1] == (1, True) and sharing.averaging_rounds[-1] is None
+
+
+@pytest.mark.parametrize(
+    ("donor_round", "our_round_averaged", "expected", "drifted"),
+    [
+        (1, True, 3.0, False),  # the donor averages in our round: we land where it does
+        (None, True, 7.0, False),  # a settled state: our round is not applied to it
+        (0, True, 7.0, True),  # the donor's round is another: we cannot follow it
+        (1, False, 7.0, True),  # the donor's round, which failed for us
+    ],
+)
+def test_a_state_loaded_while_a_parameter_round_runs_lands_where_its_donor_does(
+    donor_round: int | None, our_round_averaged: bool, expected: float, drifted: bool
+) -> None:
+    # The churn test's failure (tests/optim/test_optimizer.py): a drifted late joiner and the
+    # donors began the parameter round of epoch 13 together; the joiner's refresh landed the
+    # donors' state of epoch 13, served just before their round moved it, and then the joiner's
+    # round added its own delta (average - its drifted parameters) on top: it ended ~1e-3 from
+    # the donors, flagged in sync, and served that to the next peer that fell behind.
+    driver, tracker, _, sharing, _ = make_driver()
+    averager, buffers = with_real_parameter_rounds(driver)
+    drifted_global_step(driver, tracker)  # our parameters are 0.5 below the initial ones
+    sharing.load_tensors = [torch.full_like(p, 7.0) for p in driver.inner.params]
+    state = {"epoch": 1, "averaging_round": donor_round}
+    driver.load(StateSnapshot.capture(1, state, digest=False), keep_accumulated=True)
+    assert driver.life.drifted is (donor_round == 0)
+    land(averager, buffers, 3.0 if our_round_averaged else None)  # the donor lands on 3.0
+    driver.step(0, None)
+    assert all(torch.all(p == expected) for p in driver.inner.params)
+    assert driver.life.drifted is drifted and not driver.state_round.running
+
+
+def test_a_settled_state_loaded_after_following_a_round_is_not_drifted_by_it() -> None:
+    driver, tracker, _, sharing, _ = make_driver()
+    averager, buffers = with_real_parameter_rounds(driver)
+    drifted_global_step(driver, tracker)
+    sharing.load_tensors = [torch.full_like(p, 7.0) for p in driver.inner.params]
+    pending = {"epoch": 1, "averaging_round": 1}
+    driver.load(StateSnapshot.capture(1, pending, digest=False), keep_accumulated=True)
+    sharing.load_tensors = [torch.full_like(p, 5.0) for p in driver.inner.params]
+    settled = {"epoch": 1, "averaging_round": None}
+    driver.load(StateSnapshot.capture(1, settled, digest=False), keep_accumulated=True)
+    land(averager, buffers, None)  # our round found no group: the settled state stands
+    driver.step(0, None)
+    assert all(torch.all(p == 5.0) for p in driver.inner.params) and not driver.life.drifted

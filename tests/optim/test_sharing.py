@@ -175,6 +175,24 @@ def test_a_state_of_another_model_is_refused_and_nothing_is_loaded(
         assert torch.equal(old, param.detach())
 
 
+def test_a_state_tells_the_parameter_round_that_will_still_move_it() -> None:
+    theirs = trained(7, seed=1)
+    mine = sharing_of(torch.nn.Linear(3, 2), [torch.zeros(2)])
+    assert mine.load(theirs) is None  # settled
+    mine.publish(8, drifted=True, averaging_round=8)
+    assert mine.last_shared is not None
+    assert sharing_of(torch.nn.Linear(3, 2), [torch.zeros(2)]).load(mine.last_shared) == 8
+    for bad in ("8", 8.0, True):  # a peer's value, checked before anything is loaded
+        state = mine.full_state(8)
+        state["averaging_round"] = bad
+        other = sharing_of(torch.nn.Linear(3, 2), [torch.zeros(2)])
+        before = [p.detach().clone() for p in other.inner.params]
+        with pytest.raises(StateDownloadFailed, match="help:"):
+            other.load(StateSnapshot.capture(8, state))
+        after = other.inner.params
+        assert all(torch.equal(a, p.detach()) for a, p in zip(before, after, strict=True))
+
+
 def test_a_refresh_overtaken_by_our_steps_adds_its_delta() -> None:
     mine = sharing_of(torch.nn.Linear(3, 2))
     dht: RecordingDHT = mine.dht

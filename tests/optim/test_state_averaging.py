@@ -68,3 +68,37 @@ def test_a_round_without_a_group_applies_nothing() -> None:
     averager.steps[0].set_exception(AveragingFailed("no group"))
     assert rounds.finish(wait=0.0) == (True, None) and applied == []
     assert rounds.finish(wait=0.0) == (True, None)  # nothing running
+
+
+def test_a_forgotten_round_runs_on_and_lands_without_a_result() -> None:
+    buffers = [torch.zeros(2)]
+    averager = Averager(buffers)
+    applied: list[Any] = []
+    rounds = DelayedStateAveraging(averager, applied.append)  # type: ignore[arg-type]
+    rounds.forget()  # nothing running: nothing to forget
+    rounds.start([torch.ones(2)], "0", expected=2, timeout=5.0)
+    assert rounds.moves_parameters
+    rounds.forget()  # a state was loaded meanwhile
+    assert rounds.running and not rounds.moves_parameters
+    assert not averager.steps[0].cancelled()  # the others' group keeps its member
+    buffers[0].fill_(3.0)
+    averager.steps[0].set_result(Result(2))
+    assert rounds.finish(wait=0.0) == (True, None) and applied == []
+    rounds.start([torch.ones(2)], "0", expected=2, timeout=5.0)  # the next one applies again
+    averager.steps[1].set_result(Result(2))
+    assert rounds.finish(wait=0.0)[1] is not None and len(applied) == 1
+
+
+def test_a_rebased_round_takes_its_delta_from_the_loaded_tensors() -> None:
+    buffers = [torch.zeros(2)]
+    averager = Averager(buffers)
+    applied: list[Any] = []
+    rounds = DelayedStateAveraging(averager, applied.append)  # type: ignore[arg-type]
+    rounds.start([torch.ones(2)], "0", expected=2, timeout=5.0, epoch=4)
+    assert rounds.epoch == 4 and not rounds.rebased
+    rounds.rebase([torch.full((2,), 7.0)])  # a state averaging in this round was loaded
+    assert rounds.rebased and rounds.moves_parameters
+    buffers[0].fill_(3.0)
+    averager.steps[0].set_result(Result(2))
+    assert rounds.finish(wait=0.0)[1] is not None and not rounds.rebased
+    torch.testing.assert_close(applied[0][0], torch.full((2,), -4.0))  # 3 - 7, not 3 - 1
