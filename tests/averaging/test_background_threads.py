@@ -4,26 +4,20 @@ setting stays as it was: the loop thread of a real round, CenteredClip's worker,
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections.abc import Iterator
 
 import pytest
 import torch
 
-from kit.averaging.averager import DecentralizedAverager
 from kit.averaging.background_threads import (
     BACKGROUND_TORCH_THREADS,
     limit_torch_threads,
     team_size_is_per_thread,
     with_limited_torch_threads,
 )
-from kit.dht import DHT
 from kit.optim.stepping import InnerOptimizer
-from kit.p2p.memory import MemoryNetwork
-from kit.runtime import Runtime
-from tests.averaging.test_averager import settings, tensors_of
-from tests.dht.swarm import FAST
+from tests.averaging.facades import averagers
 
 pytestmark = pytest.mark.skipif(
     not team_size_is_per_thread(), reason="torch's thread count is process-wide here"
@@ -62,36 +56,16 @@ def test_a_background_thread_takes_one_thread_and_the_training_thread_keeps_its_
 
 
 def test_the_loop_thread_of_a_round_uses_one_thread() -> None:
-    network, runtime = MemoryNetwork(), Runtime("threads-test")
-
-    async def loop_threads() -> int:
+    async def loop_threads(_dht: object, _node: object) -> int:
         return torch.get_num_threads()
 
-    first = DHT(peer_factory=network.create_peer, config=FAST, runtime=runtime)
-    second = DHT(
-        first.get_visible_addresses(),
-        peer_factory=network.create_peer,
-        config=FAST,
-        runtime=runtime,
-    )
-    options = dataclasses.asdict(settings(target_group_size=2))
-    options.pop("compression")
-    averagers = [
-        DecentralizedAverager(tensors_of(i), dht, **options)
-        for i, dht in enumerate((first, second))
-    ]
-    try:
-        assert runtime.call(loop_threads(), timeout=5) == TRAINING_THREADS
-        futures = [a.step(wait=False) for a in averagers]
+    with averagers(2, target_group_size=2) as (first, second):
+        dht = first._dht  # the facade's DHT: its runtime runs the round
+        assert dht.run_coroutine(loop_threads) == TRAINING_THREADS
+        futures = [a.step(wait=False) for a in (first, second)]
         assert all(f.result(10) is not None for f in futures)  # type: ignore[union-attr]
-        assert runtime.call(loop_threads(), timeout=5) == BACKGROUND_TORCH_THREADS
+        assert dht.run_coroutine(loop_threads) == BACKGROUND_TORCH_THREADS
         assert torch.get_num_threads() == TRAINING_THREADS
-    finally:
-        for averager in averagers:
-            averager.shutdown()
-        second.shutdown()
-        first.shutdown()
-        runtime.shutdown()
 
 
 def test_the_delayed_optimizer_step_uses_one_thread() -> None:
