@@ -240,4 +240,3 @@ class Handout:
             "kit_version": kit.__version__,
             "join_notebook": JOIN_NOTEBOOK_PATH,
         }
-

@@ -76,7 +76,12 @@ def join_notebook(link: str = PLACEHOLDER_LINK) -> dict[str, Any]:
     """The join notebook (nbformat 4 JSON) for the run at ``link``; Colab opens it on a T4."""
     return {
         "cells": [
-            {"cell_type": "markdown", "id": "about", "metadata": {}, "source": _lines(INTRODUCTION)},
+            {
+                "cell_type": "markdown",
+                "id": "about",
+                "metadata": {},
+                "source": _lines(INTRODUCTION),
+            },
             {
                 "cell_type": "code",
                 "execution_count": None,

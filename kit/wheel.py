@@ -60,14 +60,18 @@ def _package_files(root: Path) -> list[Path]:
     return sorted(
         path
         for path in package.rglob("*")
-        if path.is_file() and "__pycache__" not in path.parts and path.suffix not in (".pyc", ".pyo")
+        if path.is_file()
+        and "__pycache__" not in path.parts
+        and path.suffix not in (".pyc", ".pyo")
     )
 
 
 def source_digest(root: Path) -> str:
     """SHA-256 over the package files and project files of a source tree (names and bytes)."""
     digest = hashlib.sha256()
-    files = _package_files(root) + [root / name for name in PROJECT_FILES if (root / name).is_file()]
+    files = _package_files(root) + [
+        root / name for name in PROJECT_FILES if (root / name).is_file()
+    ]
     for path in files:
         digest.update(str(path.relative_to(root)).encode() + b"\0")
         digest.update(hashlib.sha256(path.read_bytes()).digest())

@@ -211,9 +211,7 @@ class CollaborationConfig:
             if value == "auto" and name != "load_state_timeout":
                 continue
             hint = 'write a number of seconds, or "auto"' if name != "load_state_timeout" else ""
-            store_normalized(
-                self, name, check_number(f"{where}.{name}", value, above=0, hint=hint)
-            )
+            store_normalized(self, name, check_number(f"{where}.{name}", value, above=0, hint=hint))
         matchmaking, timeout = self.matchmaking_time, self.averaging_timeout
         if isinstance(matchmaking, float) and isinstance(timeout, float) and matchmaking >= timeout:
             raise config_error(

@@ -132,7 +132,10 @@ def _shard(item: Any, where: str) -> ShardEntry:
     if not isinstance(digest, str) or not _SHA256.match(digest):
         raise _invalid(where, f"has a shard without a hex SHA-256: {digest!r}")
     size, documents, tokens = (item.get(key, -1) for key in ("bytes", "documents", "tokens"))
-    if not all(_is_count(count, MAX_SHARD_BYTES) for count in (size, documents, tokens)) or not size:
+    if (
+        not all(_is_count(count, MAX_SHARD_BYTES) for count in (size, documents, tokens))
+        or not size
+    ):
         raise _invalid(where, f"has shard {digest[:12]} with bad bytes/documents/tokens")
     return ShardEntry(digest, int(size), int(documents), int(tokens))
 

@@ -82,7 +82,9 @@ def resolve_files(source: SourceConfig) -> list[str]:
         if "://" in pattern:
             files.append(pattern)
             continue
-        matches = sorted(path for path in glob.glob(pattern, recursive=True) if Path(path).is_file())
+        matches = sorted(
+            path for path in glob.glob(pattern, recursive=True) if Path(path).is_file()
+        )
         if not matches:
             raise DataSourceNotFound(
                 f"source {source.name!r}: no file matches {pattern!r} (relative paths start at "
@@ -216,7 +218,9 @@ def prepare_source(
                 logger.info("serving %d cached shards of %r", len(shards.shards), source.name)
                 return shards, paths
         except (OSError, ValueError, KeyError, TypeError) as error:
-            logger.warning("the shard cache of %r is unreadable (%s): rebuilding it", source.name, error)
+            logger.warning(
+                "the shard cache of %r is unreadable (%s): rebuilding it", source.name, error
+            )
     if folder.exists():
         shutil.rmtree(folder)
     folder.mkdir(parents=True)

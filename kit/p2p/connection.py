@@ -236,7 +236,9 @@ class Connection:
                     self._dispatch(event)
                 if self._ledger is not None and frame.type is FrameType.DATA:
                     self._shed_for_peer(self._ledger)
-                    if self.mux.buffers.circuit_ledger is not None:  # this peer relays circuits here
+                    if (
+                        self.mux.buffers.circuit_ledger is not None
+                    ):  # this peer relays circuits here
                         self._shed_for_peer(self.mux.buffers.circuit_ledger, circuits=True)
         except RemoteProtocolError as e:
             logger.warning("dropping %s: %s", self.remote_peer.short(), e)

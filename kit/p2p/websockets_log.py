@@ -49,7 +49,9 @@ class WebsocketsLog(logging.LoggerAdapter):  # type: ignore[type-arg]
     def log(self, level: int, msg: object, *args: object, **kwargs: Any) -> None:
         exc_info = kwargs.pop("exc_info", None)
         if msg in KIT_CALLBACK_FAILURES:
-            logging.getLogger("kit.p2p.transport").log(level, msg, *args, exc_info=exc_info, **kwargs)
+            logging.getLogger("kit.p2p.transport").log(
+                level, msg, *args, exc_info=exc_info, **kwargs
+            )
             return
         if level < logging.WARNING or not self.logger.isEnabledFor(logging.DEBUG):
             return
