@@ -311,13 +311,36 @@ class DecentralizedAverager:
 
     @property
     def is_looking_for_group(self) -> bool:
-        """A round is still forming its group (cancelling it now breaks nobody's all-reduce)."""
+        """A round is still forming its group (to give it up, :meth:`give_up_search`: the
+        group may begin between reading this and cancelling)."""
         core = self._core
         return core is not None and core.matchmaking.phase in (
             Phase.LOOKING,
             Phase.JOINING,
             Phase.LEADING,
         )
+
+    def give_up_search(self, control: StepControl, timeout: float = 5.0) -> bool:
+        """Cancel ``control``'s step if nobody counts on this peer yet (True: cancelled).
+
+        Unlike reading :attr:`is_looking_for_group` and then calling ``control.cancel()``, the
+        check and the cancellation happen together on kit's loop: a group cannot begin with
+        this peer in between (it then announced a group it left: its members waited for its
+        parts and averaged without them). See ``MatchmakingDriver.give_up_if_unpromised``.
+        """
+        core = self._require()
+
+        async def give_up(node: DHTNode) -> bool:
+            if control.done() or control.began_allreduce:
+                return False
+            if not core.matchmaking.give_up_if_unpromised("the caller gave up the search"):
+                return False
+            return control.cancel()
+
+        try:
+            return self._wait(self._submit(give_up), timeout)
+        except KitTimeout:
+            return False
 
     # --- state sharing ------------------------------------------------------------------------
 

@@ -207,6 +207,15 @@ class GridAverage:
         expected = math.ceil(peers / self.group_size ** len(self.coordinates))
         return self.next_shards(peers) > 1 or expected % self.next_target(peers) != 0
 
+    @property
+    def next_round_is_everyones(self) -> bool:
+        """The next round's key holds every peer of the average (the first round): once any
+        peer stepped past the epoch, all of its groups formed. A later round's key holds one
+        peer of each group of the round before, which end at different times (a loaded peer's
+        round ends seconds after the others'): other keys' groups finishing, and their members
+        stepping, says nothing about whether ours still fills."""
+        return not self.coordinates
+
     def next_shards(self, peers: int) -> int:
         """Shard keys of the next round (``shards_for`` its expected peers per key)."""
         expected = math.ceil(peers / self.group_size ** len(self.coordinates))

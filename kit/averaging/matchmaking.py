@@ -443,6 +443,16 @@ class Matchmaker:
             raise LocalProtocolError("a group arrived from a peer this one does not follow")
         self._move(Trigger.GROUP_RECEIVED)
 
+    def give_up(self, reason: str) -> list[Action] | None:
+        """Stop looking if nobody counts on this peer yet (its caller gave up: e.g. the others
+        stepped past its epoch): it is looking, or leads a group that has not begun (its
+        followers are released). None, and nothing changes, once it asked a leader (which may
+        be announcing a group with it right now), follows one, or its search ended: the
+        search then ends by its deadline, and a group that forms runs its round."""
+        if self.phase not in (Phase.LOOKING, Phase.LEADING):
+            return None
+        return self._fail(reason)
+
     def cancel(self, reason: str) -> list[Action]:
         """Stop looking (shutdown, or the driver failed); followers are released."""
         if self.phase in FINAL_PHASES:

@@ -174,6 +174,16 @@ class MatchmakingDriver:
             else:
                 self.board.withdraw_now()
 
+    def give_up_if_unpromised(self, reason: str) -> bool:
+        """Stop the current search if nobody counts on this peer yet (``Matchmaker.give_up``).
+        On the loop, so that no group begins between the check and the cancellation."""
+        matchmaker = self._matchmaker
+        actions = matchmaker.give_up(reason) if matchmaker is not None else None
+        if actions is None:
+            return False
+        self._execute(actions)
+        return True
+
     def _search_under_key(self, matchmaker: Matchmaker, declaration: Declaration) -> None:
         """Declare under the board's key and poll it (the first poll waits for our store)."""
         declared = asyncio.Event()

@@ -198,6 +198,7 @@ def average_on_grid(
             scheduled = begin_after_pool(after_pool, get_dht_time(), None)  # (the search waits)
             late = grid.next_has_late_groups(expected)
             after_pool = pool_delay(late, matchmaking_time, settings.request_timeout)
+            everyones = grid.next_round_is_everyones
             result = _blocking_step(
                 averager,
                 tracker,
@@ -206,8 +207,11 @@ def average_on_grid(
                 matchmaking_time,
                 averaging_timeout,
                 scheduled_time=scheduled,
+                ends_when_others_step=everyones,
             )
             grid.round_ended(result, me)
+            if result is None and everyones and tracker.global_progress.epoch > epoch:
+                break  # every group formed without us: nobody is left to average with
             if result is not None and on_round is not None:
                 on_round(index, result)
     finally:
@@ -224,16 +228,23 @@ def _blocking_step(
     averaging_timeout: float,
     *,
     scheduled_time: float | None = None,
+    ends_when_others_step: bool = True,
 ) -> RoundResult | None:
     # The timeout bounds the search for a group; the all-reduce has its own (allreduce_timeout).
     # A round scheduled later (after a sharded one) searches that much longer.
+    # ``ends_when_others_step``: the others stepping past ``epoch`` means this round's groups
+    # all formed (its key holds everyone: GridAverage.next_round_is_everyones). Not so for a
+    # later grid round: its key's members may still be finishing the round before, and giving
+    # up then left them a member short (two peers with 1 of 2 rounds, and a group that began
+    # with them while they gave up).
     search = 2 * matchmaking_time + 1.0
     if scheduled_time is not None:
         search += max(0.0, scheduled_time - get_dht_time())
     future = averager.step(weight=weight, timeout=search, scheduled_time=scheduled_time, wait=False)
     if not isinstance(future, StepControl):  # step(wait=False) returns one
         raise TypeError(f"averager.step(wait=False) returned {type(future).__name__}")
-    give_up = time.monotonic() + search + averaging_timeout + 30.0
+    bound = search + averaging_timeout + 30.0
+    give_up = time.monotonic() + bound
     while True:
         try:
             result = future.result(timeout=POLL)
@@ -241,10 +252,13 @@ def _blocking_step(
         except concurrent.futures.TimeoutError:
             # Still looking while the others already finished this epoch's round (we were not
             # in their view in time): nobody will come, stop now rather than time out.
-            moved_on = tracker.global_progress.epoch > epoch
-            if (moved_on and averager.is_looking_for_group) or time.monotonic() > give_up:
-                future.cancel()
+            moved_on = ends_when_others_step and tracker.global_progress.epoch > epoch
+            if moved_on and averager.give_up_search(future):
                 logger.info("the others finished epoch %d's round without us", epoch)
+                return None
+            if time.monotonic() > give_up:
+                future.cancel()
+                logger.warning("epoch %d's round did not end in %.0f s: given up", epoch, bound)
                 return None
         except AveragingFailed as e:  # no group, or the round failed: RoundOutcome.log warns
             logger.info("%s: %s", averager.settings.prefix, e)

@@ -114,6 +114,32 @@ def test_a_cancelled_step_is_cancelled_and_the_others_average_without_it() -> No
         assert not group[0].is_looking_for_group
 
 
+def test_giving_up_a_search_never_leaves_a_group_that_formed() -> None:
+    """give_up_search cancels a step that is still looking, and refuses (returns False) once
+    its group formed: the members count on it, unlike control.cancel() before the trigger.
+    (Checking is_looking_for_group, then cancelling, let a group begin in between: its
+    members then waited for a peer that had left, and averaged without it.)"""
+    with averagers(3, target_group_size=2, min_matchmaking_time=5.0) as group:
+        pair = [a.step(wait=False, require_trigger=True) for a in group[:2]]
+        deadline = time.monotonic() + 5.0
+        while any(c.stage is not AveragingStage.AWAITING_TRIGGER for c in pair):  # type: ignore[union-attr]
+            assert time.monotonic() < deadline, pair
+            time.sleep(0.01)
+        assert not any(group[i].give_up_search(pair[i]) for i in range(2))  # type: ignore[arg-type]
+        for control in pair:
+            control.allow_allreduce()  # type: ignore[union-attr]
+        results = [c.result(10) for c in pair]  # type: ignore[union-attr]
+        assert all(r.is_full and len(r) == 2 for r in results)
+        alone = group[2].step(wait=False)  # nobody else looks: it leads nobody, still looking
+        while not group[2].is_looking_for_group:
+            assert time.monotonic() < deadline + 5.0
+            time.sleep(0.01)
+        assert group[2].give_up_search(alone)  # type: ignore[arg-type]
+        with pytest.raises(concurrent.futures.CancelledError):
+            alone.result(5)  # type: ignore[union-attr]
+        assert group[2].give_up_search(alone) is False  # over: nothing to give up
+
+
 def test_a_step_without_a_group_raises_and_changes_nothing() -> None:
     with averagers(1) as (alone,):
         started = time.monotonic()

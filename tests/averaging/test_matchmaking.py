@@ -262,6 +262,30 @@ def test_deadline_fails_and_releases_followers() -> None:
     assert lonely.tick(110.0) == [] and lonely.phase is Phase.FAILED
 
 
+def test_giving_up_stops_only_a_search_nobody_counts_on() -> None:
+    """The caller gives up (the others stepped past its epoch): a looking peer stops, a leader
+    whose group has not begun releases its followers; a peer that asked a leader does not (the
+    leader may be announcing a group with it right now: leaving then cost that group a member's
+    parts), nor one that follows or whose group began."""
+    looking = started(5)
+    assert looking.give_up("the others moved on") == [] and looking.phase is Phase.FAILED
+    leader = started(5)
+    settle(leader, 100.05, [])
+    leader.join_request(100.1, member(6))
+    assert leader.give_up("the others moved on") == [Release((pid(6),), None)]
+    assert leader.phase is Phase.FAILED and leader.failure == "the others moved on"
+    joining = started(5)
+    better = declaration(2, 104.0)
+    assert settle(joining, 100.05, [better]) == [AskLeader(better)]
+    assert joining.give_up("the others moved on") is None and joining.phase is Phase.JOINING
+    assert joining.join_answered(100.1, pid(2), None) == []  # its group may begin: it follows
+    assert joining.give_up("the others moved on") is None and joining.phase is Phase.FOLLOWING
+    full = started(1, settings=MatchmakingSettings(target_group_size=2, min_group_size=2))
+    settle(full, 100.05, [])
+    full.join_request(100.1, member(6))  # full: it began
+    assert full.phase is Phase.ASSEMBLED and full.give_up("the others moved on") is None
+
+
 def test_a_leader_that_sees_a_better_leader_of_its_chunk_brings_its_followers() -> None:
     leader = started(5)
     settle(leader, 100.05, [])

@@ -43,6 +43,9 @@ class Averager:
         self.is_looking_for_group = True
         self.settings = types.SimpleNamespace(prefix="test", request_timeout=3.0)
 
+    def give_up_search(self, control: StepControl) -> bool:
+        return self.is_looking_for_group and control.cancel()
+
     @contextlib.contextmanager
     def get_tensors(self) -> Iterator[list[torch.Tensor]]:
         yield self.tensors

@@ -7,6 +7,7 @@ swarm tests in test_optimizer.py run real rounds.
 from __future__ import annotations
 
 import logging
+import threading
 import types
 
 import pytest
@@ -18,6 +19,7 @@ from kit.errors import AveragingFailed
 from kit.optim.accumulation import GradientAccumulator
 from kit.optim.epoch_actions import Judgement
 from kit.optim.rounds import (
+    POLL,
     GradientRounds,
     RoundOutcome,
     average_at_epoch,
@@ -188,3 +190,54 @@ def test_a_grid_of_a_thousand_peers_shards_its_first_round_and_waits_for_its_poo
     # round 2 searches as long again as the pool may take (2 x 5 s + request_timeout 3 s)
     first, second = averager.timeouts
     assert second - first == pytest.approx(13.0, abs=0.5)
+
+
+def test_a_later_grid_round_still_looking_after_others_stepped_waits_for_its_key() -> None:
+    """12 peers in groups of 4: round 2's key holds one peer of each round-1 group. Another
+    key's group finished first and its members stepped (the global epoch moved on) while ours
+    waited for a member whose round 1 ended late: ours must not give up (it used to, at the
+    next poll, and the late member's group then began with peers that had left: a flaky
+    test_moshpit). Round 1's key holds everyone, so there the early give-up stays."""
+    me = PeerID(bytes([1]) * 32)
+    tracker = Tracker(with_samples=12, at_epoch=12)
+
+    def rounds(control: StepControl) -> None:
+        result = Result(4 if len(averager.steps) == 1 else 3)
+        result.group_id = bytes([len(averager.steps)]) * 8  # type: ignore[attr-defined]
+        result.peers = [me, *(PeerID(bytes([2, i]) + bytes(30)) for i in range(len(result) - 1))]  # type: ignore[attr-defined]
+        result.weights = [1.0] * len(result)  # type: ignore[attr-defined]
+        if len(averager.steps) == 1:
+            tracker.epoch = 5  # another key's group: averaged, stepped, published
+        else:
+            threading.Event().wait(20 * POLL)  # our key's last member is still in round 1
+        control.set_result(result)  # type: ignore[arg-type]
+
+    averager = Averager([torch.zeros(2)], rounds)
+    result, grid = average_on_grid(
+        averager,  # type: ignore[arg-type]
+        tracker,  # type: ignore[arg-type]
+        4,
+        1.0,
+        me=me,
+        expected=12,
+        group_size=4,
+        matchmaking_time=3.0,
+        averaging_timeout=30.0,
+    )
+    assert len(averager.steps) == 2 and not averager.steps[1].cancelled()
+    assert result is not None and grid.completed == 2 and grid.weight == 3.0
+    # Round 1 (everyone's key) still gives up once the others stepped without us.
+    late = Averager([torch.zeros(2)], lambda control: None)  # nobody ever comes
+    result, grid = average_on_grid(
+        late,  # type: ignore[arg-type]
+        Tracker(with_samples=12, at_epoch=12, epoch=5),  # type: ignore[arg-type]
+        4,
+        1.0,
+        me=me,
+        expected=12,
+        group_size=4,
+        matchmaking_time=30.0,  # it would otherwise wait this long
+        averaging_timeout=60.0,
+    )
+    assert result is None and grid.completed == 0 and late.steps[0].cancelled()
+    assert len(late.steps) == 1  # nor does it look for round 2: every group formed already
