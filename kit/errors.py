@@ -48,7 +48,7 @@ Two questions decide how a caller should react to a failure, and the tree answer
         ├── KitTimeout               a wait ran out of time (also a builtin TimeoutError)
         ├── PeerUnavailable, TokenExpired   (see above; they inherit from both)
         ├── AveragingFailed          a step found no group, or its rounds failed (kit.averaging)
-        └── ...                      state downloads (kit.optim)
+        └── ...                      state downloads, a state a donor no longer holds (kit.optim)
 
 User-facing messages end with ``help:`` and the fix, so that a volunteer in a notebook can act
 on a single line.
@@ -431,6 +431,11 @@ class GroupMismatch(RemoteProtocolError):
 
 class StateDownloadFailed(TransientError):
     """The training state could not be downloaded from peers (in time, or verified)."""
+
+
+class StateNotHeld(TransientError):
+    """A donor does not hold the state asked for: none yet, or it moved on to a newer one since
+    it was announced (the downloader asks again, or another donor). Expected, not a fault."""
 
 
 # --- netsim (kit.testing.netsim) ----------------------------------------------------------------

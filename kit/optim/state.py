@@ -41,6 +41,7 @@ from kit.errors import (
     KitTimeout,
     RemoteProtocolError,
     StateDownloadFailed,
+    StateNotHeld,
 )
 from kit.p2p.api import PeerAPI, StreamAPI
 from kit.p2p.identity import PeerID
@@ -204,7 +205,7 @@ class StateServer:
         while (raw := await stream.receive_message(max_size=1024 * 1024, timeout=30.0)) is not None:
             request = msgpack.unpackb(raw, raw=False)
             if snapshot is None:
-                raise KitError("this peer has no state to share yet")
+                raise StateNotHeld("this peer has no state to share yet")
             if request.get("want") == "meta":
                 await stream.send_message(
                     msgpack.packb(snapshot.meta(), use_bin_type=True), timeout=30.0
@@ -215,7 +216,7 @@ class StateServer:
             held = [s for s in (self.snapshot, snapshot, self.previous) if s is not None]
             serving = next((s for s in held if s.digest and s.digest == wanted), None)
             if serving is None or not isinstance(indices, list):
-                raise KitError("requested state is not the one this peer holds (it moved on)")
+                raise StateNotHeld("requested state is not the one this peer holds (it moved on)")
             for index in indices:
                 tensor = serving.tensors[int(index)]
                 await send_tensor(stream, tensor_header(tensor), tensor_bytes(tensor), timeout=30.0)

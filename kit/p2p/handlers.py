@@ -5,8 +5,9 @@ handler runs on a stream with one request message in and one response out, each 
 ``request_timeout``) and :meth:`Handlers.serve`, which runs the handler of an incoming stream
 and ends the stream by how the handler ended: closed after success; reset with
 ``unknown_protocol`` (no handler), ``handler_error`` (it raised: the caller learns the class and
-message) or ``shutdown`` (cancelled). A failure the remote peer caused (``PeerError``,
-``KitTimeout``) is one DEBUG line; any other is a WARNING: a bug of ours.
+message) or ``shutdown`` (cancelled). A failure the remote peer caused (``PeerError``) or an
+expected, transient one (``TransientError``: a timeout, a state the donor no longer holds) is
+one DEBUG line; any other is a WARNING: a bug of ours.
 
 Separate from ``peer`` (dialing, accepting, the registry of connections) because serving is per
 stream, the same on whichever connection (direct or relayed) carries it.
@@ -17,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from kit.errors import KitTimeout, KitUsageError, PeerError, RemoteProtocolError
+from kit.errors import KitUsageError, PeerError, RemoteProtocolError, TransientError
 from kit.p2p.api import DEFAULT_MAX_MESSAGE, StreamHandler, UnaryHandler
 from kit.p2p.stream import Stream
 from kit.p2p.wire import ResetCode
@@ -69,7 +70,7 @@ class Handlers:
         except asyncio.CancelledError:
             stream.reset(ResetCode.SHUTDOWN, "handler cancelled")
             raise
-        except (PeerError, KitTimeout) as e:
+        except (PeerError, TransientError) as e:  # the remote's fault, or expected (a timeout)
             logger.debug("%s handler: %s: %s", stream.protocol, type(e).__name__, e)
             stream.reset(ResetCode.HANDLER_ERROR, f"{type(e).__name__}: {e}")
         except Exception as e:

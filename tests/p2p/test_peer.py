@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import subprocess
@@ -26,6 +27,7 @@ from kit.errors import (
     KitTimeout,
     PeerUnavailable,
     RemoteError,
+    StateNotHeld,
     StreamReset,
     UnknownProtocol,
 )
@@ -117,6 +119,31 @@ async def test_remote_errors_are_typed() -> None:
             await b.call(a.peer_id, "broken", b"", timeout=5)
         a.add_unary_handler("echo", echo)
         assert await b.call(a.peer_id, "echo", b"", timeout=5)  # the connection survived both
+
+
+async def test_an_expected_handler_failure_is_not_logged_as_our_bug(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="kit.p2p.handlers")
+    async with peers(2) as (a, b):
+
+        async def moved_on(caller: PeerID, request: bytes) -> bytes:
+            raise StateNotHeld("the state asked for is gone")
+
+        async def broken(caller: PeerID, request: bytes) -> bytes:
+            raise ValueError("a bug")
+
+        a.add_unary_handler("moved-on", moved_on)
+        a.add_unary_handler("broken", broken)
+        with pytest.raises(RemoteError, match="StateNotHeld: the state asked for is gone"):
+            await b.call(a.peer_id, "moved-on", b"", timeout=5)
+        levels = {r.levelno for r in caplog.records if "moved-on" in r.getMessage()}
+        assert levels == {logging.DEBUG}  # transient and expected: one DEBUG line
+        with pytest.raises(RemoteError, match="a bug"):
+            await b.call(a.peer_id, "broken", b"", timeout=5)
+        assert any(
+            r.levelno == logging.WARNING and "broken" in r.getMessage() for r in caplog.records
+        )
 
 
 async def test_call_timeout_resets_the_stream() -> None:
