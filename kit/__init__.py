@@ -61,6 +61,7 @@ _EXPORTS = {
     "PeerID": "kit.p2p.identity",
     "get_dht_time": "kit.dht",
     "Optimizer": "kit.optim",
+    "GradScaler": "kit.optim",
     "DecentralizedAverager": "kit.averaging.averager",
     "NoCompression": "kit.averaging.compression",
     "Float16Compression": "kit.averaging.compression",

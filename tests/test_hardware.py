@@ -533,3 +533,81 @@ def test_torch_probe_turns_out_of_memory_into_none_and_raises_other_errors() -> 
         assert probe(1) is not None  # the probe still works after an OOM
         with pytest.raises(RuntimeError, match="shapes"):
             probe(7)
+
+
+# --- the micro-batch by speed -------------------------------------------------------------------
+
+
+class CurveSpeed:
+    """samples/s by micro-batch from a table (sizes not in it run as fast as the largest below)."""
+
+    def __init__(self, rates: dict[int, float], stop_above: int = 10**9) -> None:
+        self.rates, self.stop_above = rates, stop_above
+        self.calls: list[int] = []
+
+    def __call__(self, micro_batch: int) -> float | None:
+        self.calls.append(micro_batch)
+        if micro_batch > self.stop_above:
+            return None  # out of memory, or the probe's time is spent
+        return self.rates[max(size for size in self.rates if size <= micro_batch)]
+
+
+def test_a_speed_probe_picks_the_fastest_micro_batch_past_batch_size_per_step() -> None:
+    needs = dataclasses.replace(ALBERT_LARGE, batch_size_per_step=8, target_batch_size=4096)
+    hw = one_gpu("NVIDIA H200", 140 * GIB, (9, 0))
+    speed = CurveSpeed({1: 20.0, 2: 40.0, 4: 70.0, 8: 110.0, 16: 150.0, 32: 180.0, 64: 181.0})
+    result = plan(needs, hw, probe=LinearProbe(GIB, 0.5 * GIB), speed=speed)
+    # 64 is not 2% faster than 32: the smaller one leaves memory free.
+    assert (result.micro_batch, result.accumulation_steps) == (32, 1)
+    assert result.batch_size_per_step == 32 > needs.batch_size_per_step
+    assert any("fastest measured" in reason and "32: 180.0" in reason for reason in result.reasons)
+    assert max(speed.calls) <= 256  # never past what the memory probe says fits
+
+
+def test_a_speed_probe_accumulates_up_to_batch_size_per_step_and_respects_the_global_batch() -> (
+    None
+):
+    hw = one_gpu("Tesla T4", 15 * GIB, (7, 5))
+    needs = dataclasses.replace(ALBERT_LARGE, batch_size_per_step=64, target_batch_size=4096)
+    fast_small = CurveSpeed({1: 10.0, 2: 30.0, 4: 30.5})
+    result = plan(needs, hw, probe=LinearProbe(GIB, 0.5 * GIB), speed=fast_small)
+    assert (result.micro_batch, result.accumulation_steps) == (2, 32)
+    # A local step stays within 1/8 of the global batch (peers overshoot it by a step each).
+    tiny_run = dataclasses.replace(needs, batch_size_per_step=2, target_batch_size=48)
+    growing = CurveSpeed({1: 10.0, 2: 20.0, 4: 40.0, 6: 60.0, 8: 80.0})
+    result = plan(
+        tiny_run, one_gpu("x", 80 * GIB, (8, 0)), probe=LinearProbe(GIB, GIB), speed=growing
+    )
+    assert result.micro_batch == 6 and max(growing.calls) == 6
+
+
+def test_a_speed_probe_that_runs_out_stops_the_search() -> None:
+    needs = dataclasses.replace(ALBERT_LARGE, batch_size_per_step=8, target_batch_size=4096)
+    speed = CurveSpeed({1: 10.0, 2: 20.0, 4: 40.0, 8: 80.0}, stop_above=4)
+    result = plan(needs, one_gpu("x", 80 * GIB, (8, 0)), probe=LinearProbe(GIB, GIB), speed=speed)
+    assert result.micro_batch == 4 and speed.calls == [1, 2, 4, 8]
+    nothing = CurveSpeed({1: 1.0}, stop_above=0)  # nothing measured: the largest that fits
+    result = plan(needs, one_gpu("x", 80 * GIB, (8, 0)), probe=LinearProbe(GIB, GIB), speed=nothing)
+    assert result.micro_batch > 8 and nothing.calls == [1]  # all that fits (70 GiB / 1 GiB)
+
+
+def test_a_cpu_speed_probe_picks_the_fastest_under_the_ram_estimate() -> None:
+    needs = dataclasses.replace(TINY, batch_size_per_step=16, target_batch_size=64)
+    hw = Hardware(cpu_cores=2, ram_bytes=8 * GIB)
+    speed = CurveSpeed({1: 50.0, 4: 200.0, 16: 260.0, 32: 262.0})
+    result = plan(needs, hw, speed=speed)
+    assert (result.micro_batch, result.accumulation_steps) == (16, 1)
+    assert max(speed.calls) <= 64
+
+
+def test_torch_probe_measures_the_speed_of_training_within_its_time_budget() -> None:
+    import torch
+
+    torch.manual_seed(0)
+    needs = needs_from_model(tiny_albert(), sequence_length=64, batch_size_per_step=8)
+    with make_torch_probe(tiny_albert, needs, "cpu") as probe:
+        rate = probe.samples_per_second(2)
+        assert rate is not None and rate > 0
+        assert probe.time_spent > 0
+        probe.time_budget = probe.time_spent  # spent: larger sizes are not measured
+        assert probe.samples_per_second(4) is None

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from kit.config.fields import (
     _check_keys,
     _to_plain,
+    check_bool,
     check_choice,
     check_int,
     check_number,
@@ -61,6 +62,7 @@ class ModelConfig:
     bos_token_id: int = 2  # [CLS]
     eos_token_id: int = 3  # [SEP]
     init_seed: int = 42  # seed of the first peer's weights (others download them); sahajBERT: 42
+    compile: bool = False  # torch.compile the shared layer on CUDA GPUs: ~20% faster, ~10-60 s to start (per peer)
     # fmt: on
 
     SECTION: ClassVar[str] = "model"
@@ -124,6 +126,7 @@ class ModelConfig:
                 hint="use the id the tokenizer gives this token (kit: <pad>=0 [CLS]=2 [SEP]=3)",
             )
         check_int(f"{where}.init_seed", self.init_seed, minimum=0, maximum=2**32 - 1)
+        check_bool(f"{where}.compile", self.compile)
 
     @classmethod
     def tiny(cls) -> ModelConfig:
@@ -151,7 +154,7 @@ class ModelConfig:
                 "model", f"needs transformers ({error})", "pip install transformers"
             ) from None
         values = self.to_dict()
-        del values["architecture"], values["init_seed"]  # not AlbertConfig settings
+        del values["architecture"], values["init_seed"], values["compile"]  # not AlbertConfig's
         return AlbertConfig(**values)
 
     @classmethod

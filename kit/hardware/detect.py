@@ -41,9 +41,25 @@ MPS_PRECISION = "fp32"
 #: When RAM cannot be read, plan as if this much were free (a small laptop).
 FALLBACK_RAM_BYTES = 4 * GIB
 
+#: The largest micro-batch a plan tries on a GPU: past it, GPU kernels run no faster per sample.
+ACCELERATOR_MAX_MICRO_BATCH = 256
+#: The largest micro-batch a speed probe tries on a CPU.
+CPU_SPEED_PROBE_MAX_MICRO_BATCH = 64
+#: A local step is at most this share of the global batch (1/8): peers overshoot the target
+#: by up to one local step each, and a step of half the global batch would double it.
+GLOBAL_BATCH_SHARE = 8
+#: Seconds a plan may spend measuring the speed of micro-batches (after the memory probe).
+SPEED_PROBE_SECONDS = 20.0
+#: A larger micro-batch is taken only if it is this much faster (else the smaller one, which
+#: leaves memory free and reports to the collaboration more often).
+SPEED_MARGIN = 1.02
+
 T = TypeVar("T")
 #: A memory probe: peak device bytes of one forward/backward at this micro-batch, None on OOM.
 MemoryProbe = Callable[[int], "int | None"]
+#: A speed probe: training samples/s at this micro-batch; None when it does not fit or the
+#: probe's time is spent.
+SpeedProbe = Callable[[int], "float | None"]
 
 
 # --- detection ----------------------------------------------------------------------------------

@@ -10,7 +10,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from kit.config import check_choice, check_int
-from kit.hardware.detect import ESTIMATE_OVERHEAD, MPS_PRECISION, OPTIMIZER_STATES
+from kit.hardware.detect import (
+    ESTIMATE_OVERHEAD,
+    MPS_PRECISION,
+    OPTIMIZER_STATES,
+    SPEED_PROBE_SECONDS,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +40,9 @@ class TrainingNeeds:
     optimizer: str = (
         "lamb"  # adam, adamw, lamb (2 fp32 states per parameter), lamb8bit (2 in 8 bits) or sgd (1)
     )
+    target_batch_size: int = (
+        0  # samples per global step (micro-batches never exceed it); 0: unknown
+    )
 
     def __post_init__(self) -> None:
         positive = ("parameters", "hidden_size", "num_layers", "attention_heads")
@@ -49,6 +57,7 @@ class TrainingNeeds:
             hint="shared parameters are part of `parameters`, counted once",
         )
         check_choice("needs.optimizer", self.optimizer, tuple(OPTIMIZER_STATES))
+        check_int("needs.target_batch_size", self.target_batch_size, minimum=0)
 
     @property
     def ffn_size(self) -> int:
@@ -76,6 +85,7 @@ def needs_from_model(
     batch_size_per_step: int,
     optimizer: str = "lamb",
     supports_checkpointing: bool | None = None,
+    target_batch_size: int = 0,
 ) -> TrainingNeeds:
     """Read :class:`TrainingNeeds` off a transformers model (its ``config`` and parameters).
 
@@ -105,6 +115,7 @@ def needs_from_model(
         if supports_checkpointing is None
         else supports_checkpointing,
         optimizer=optimizer,
+        target_batch_size=target_batch_size,
     )
 
 
@@ -199,7 +210,8 @@ def largest_fitting_batch(fits: Callable[[int], bool], limit: int) -> int:
 
 
 class TorchMemoryProbe:
-    """``probe(micro_batch) -> peak bytes or None``: one real forward/backward at that size.
+    """``probe(micro_batch) -> peak bytes or None``: one real forward/backward at that size; and
+    :meth:`samples_per_second`, the speed of training at that size.
 
     On CUDA the peak is ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``
     (weights, gradients, activations, workspaces; not the CUDA context, not optimizer states,
@@ -208,6 +220,10 @@ class TorchMemoryProbe:
     ``torch.autograd.graph.saved_tensors_hooks``); transient buffers are missed (~10-20%).
     Out-of-memory gives None and frees the cache. The probe holds one model on the device:
     call :meth:`close` (or use ``with``) before building the training model.
+
+    With ``batch`` and ``loss`` it runs what training runs (e.g. kit's ALBERT pretraining loss,
+    which computes the MLM head only where a token is masked); without them, the model's logits
+    and a softmax over the vocabulary in fp32, as a cross-entropy would.
     """
 
     def __init__(
@@ -217,12 +233,19 @@ class TorchMemoryProbe:
         device: str,
         *,
         precision: str | None = None,
+        batch: Callable[[int], dict[str, Any]] | None = None,
+        loss: Callable[[Any, dict[str, Any], Any], Any] | None = None,
+        time_budget: float = SPEED_PROBE_SECONDS,
     ) -> None:
         self._factory = model_factory
         self._needs = needs
         self._device = device
         self._precision = precision
+        self._batch = batch
+        self._loss = loss
         self._model: Any = None
+        self.time_budget = time_budget  # seconds samples_per_second may spend in all
+        self.time_spent = 0.0
 
     def __enter__(self) -> TorchMemoryProbe:
         return self
@@ -238,7 +261,7 @@ class TorchMemoryProbe:
 
             torch.cuda.empty_cache()
 
-    def __call__(self, micro_batch: int) -> int | None:
+    def _ready_model(self) -> Any:
         import torch
 
         device = torch.device(self._device)
@@ -248,10 +271,32 @@ class TorchMemoryProbe:
                 cuda = device.type == "cuda"
                 capability = torch.cuda.get_device_capability(device) if cuda else None
                 self._precision = _precision(capability, [])[0] if cuda else "fp32"
-        model = self._model
-        shape = (micro_batch, self._needs.sequence_length)
-        inputs = torch.randint(0, self._needs.vocab_size, shape, device=device)
+        return self._model
+
+    def _forward_backward(self, model: Any, micro_batch: int, hooks: Any) -> None:
+        """One training forward/backward at ``micro_batch`` (``hooks``: saved-tensor hooks)."""
+        import torch
+
+        device = torch.device(self._device)
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self._precision or "")
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None), hooks:
+            if self._batch is not None and self._loss is not None:
+                loss = self._loss(model, self._batch(micro_batch), device)
+            else:
+                shape = (micro_batch, self._needs.sequence_length)
+                inputs = torch.randint(0, self._needs.vocab_size, shape, device=device)
+                logits = model(input_ids=inputs, attention_mask=torch.ones_like(inputs))[0]
+                # Like cross-entropy: a softmax over the vocabulary in fp32.
+                loss = logits.float().logsumexp(-1).mean()
+        loss.backward()
+
+    def __call__(self, micro_batch: int) -> int | None:
+        import contextlib
+
+        import torch
+
+        model = self._ready_model()
+        device = torch.device(self._device)
         saved: dict[int, int] = {}
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
@@ -264,36 +309,84 @@ class TorchMemoryProbe:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
-        logits = loss = None
+        hooks: Any = (
+            contextlib.nullcontext()
+            if device.type == "cuda"
+            else torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)
+        )
         try:
-            with (
-                torch.autocast(device.type, dtype=dtype, enabled=dtype is not None),
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor),
-            ):
-                logits = model(input_ids=inputs, attention_mask=torch.ones_like(inputs))[0]
-                # Like cross-entropy: a softmax over the vocabulary in fp32.
-                loss = logits.float().logsumexp(-1).mean()
-            loss.backward()
+            self._forward_backward(model, micro_batch, hooks)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
                 return int(torch.cuda.max_memory_allocated(device))
             tensors = list(model.parameters())
             tensors += [p.grad for p in tensors if p.grad is not None]
             return sum(t.numel() * t.element_size() for t in tensors) + sum(saved.values())
-        except (RuntimeError, MemoryError) as exc:  # torch's OutOfMemoryError is a RuntimeError
-            # CUDA and MPS say "out of memory"; the CPU allocator "can't allocate memory".
-            words = ("out of memory", "can't allocate memory")
-            if not isinstance(exc, MemoryError) and not any(w in str(exc) for w in words):
+        except (RuntimeError, MemoryError) as exc:
+            if not _out_of_memory(exc):
                 raise
             logger.debug("memory probe: micro-batch %d does not fit: %s", micro_batch, exc)
             return None
         finally:
-            logits = loss = None  # free the activations before handing blocks back
-            model.zero_grad(set_to_none=True)
+            self._clean(model)
+
+    def samples_per_second(self, micro_batch: int) -> float | None:
+        """Training samples per second at ``micro_batch``: forward and backward, one warm-up
+        then up to three timed (fewer if one takes long). None if it does not fit in memory,
+        or once ``time_budget`` seconds went into measuring (the plan then stops trying larger
+        micro-batches)."""
+        import contextlib
+        import time
+
+        import torch
+
+        if self.time_spent >= self.time_budget:
+            return None
+        model = self._ready_model()
+        device = torch.device(self._device)
+
+        def synchronize() -> None:
             if device.type == "cuda":
-                torch.cuda.empty_cache()
+                torch.cuda.synchronize(device)
             elif device.type == "mps":
-                torch.mps.empty_cache()
+                torch.mps.synchronize()
+
+        began = time.perf_counter()
+        try:
+            self._forward_backward(model, micro_batch, contextlib.nullcontext())  # warm-up
+            synchronize()
+            warm = time.perf_counter() - began
+            repeats = max(1, min(3, int((self.time_budget - self.time_spent) / (2 * warm + 1e-9))))
+            started = time.perf_counter()
+            for _ in range(repeats):
+                self._forward_backward(model, micro_batch, contextlib.nullcontext())
+            synchronize()
+            elapsed = time.perf_counter() - started
+        except (RuntimeError, MemoryError) as exc:
+            if not _out_of_memory(exc):
+                raise
+            logger.debug("speed probe: micro-batch %d does not fit: %s", micro_batch, exc)
+            return None
+        finally:
+            self.time_spent += time.perf_counter() - began
+            self._clean(model)
+        return micro_batch * repeats / max(elapsed, 1e-9)
+
+    def _clean(self, model: Any) -> None:
+        import torch
+
+        model.zero_grad(set_to_none=True)
+        if self._device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        elif self._device == "mps":
+            torch.mps.empty_cache()
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """torch's OutOfMemoryError is a RuntimeError; CUDA and MPS say "out of memory", the CPU
+    allocator "can't allocate memory"."""
+    words = ("out of memory", "can't allocate memory")
+    return isinstance(exc, MemoryError) or any(word in str(exc) for word in words)
 
 
 def make_torch_probe(
@@ -302,8 +395,10 @@ def make_torch_probe(
     device: str,
     *,
     precision: str | None = None,
+    batch: Callable[[int], dict[str, Any]] | None = None,
+    loss: Callable[[Any, dict[str, Any], Any], Any] | None = None,
 ) -> TorchMemoryProbe:
-    """Build a memory probe for :func:`plan` from a model factory.
+    """Build a memory (and speed) probe for :func:`plan` from a model factory.
 
     Args:
         model_factory: builds the model to train (e.g. ``lambda: AlbertForPreTraining(config)``);
@@ -312,11 +407,16 @@ def make_torch_probe(
         device: where to measure, e.g. ``"cuda"``.
         precision: autocast dtype to probe with; default the one :func:`plan` picks for the
             device ("bf16" on sm_80+, "fp16" below, "fp32" elsewhere).
+        batch, loss: ``batch(micro_batch)`` makes a CPU training batch and ``loss(model, batch,
+            device)`` the training loss on it (both, or neither: see :class:`TorchMemoryProbe`).
 
     Returns:
-        A :class:`TorchMemoryProbe`; ``probe(micro_batch)`` gives peak bytes or None on OOM.
+        A :class:`TorchMemoryProbe`; ``probe(micro_batch)`` gives peak bytes or None on OOM,
+        ``probe.samples_per_second(micro_batch)`` the training speed at that size.
     """
-    return TorchMemoryProbe(model_factory, needs, device, precision=precision)
+    return TorchMemoryProbe(
+        model_factory, needs, device, precision=precision, batch=batch, loss=loss
+    )
 
 
 def _precision(capability: tuple[int, int] | None, reasons: list[str]) -> tuple[str, bool]:

@@ -10,16 +10,21 @@ from dataclasses import dataclass
 
 from kit.config import config_error
 from kit.hardware.detect import (
+    ACCELERATOR_MAX_MICRO_BATCH,
     CPU_FLOPS_PER_CORE,
     CPU_MAX_MICRO_BATCH,
+    CPU_SPEED_PROBE_MAX_MICRO_BATCH,
     CUDA_CONTEXT_BYTES,
     ESTIMATE_OVERHEAD,
     FALLBACK_RAM_BYTES,
+    GLOBAL_BATCH_SHARE,
     GPU,
     MIN_USEFUL_MICRO_BATCH,
     MPS_SHARE_OF_RAM,
+    SPEED_MARGIN,
     Hardware,
     MemoryProbe,
+    SpeedProbe,
     _size,
 )
 from kit.hardware.memory import (
@@ -81,6 +86,7 @@ def plan(
     probe: MemoryProbe | None = None,
     max_memory_fraction: float = 0.9,
     min_samples_per_second: float = 1.0,
+    speed: SpeedProbe | None = None,
 ) -> TrainingPlan:
     """Decide how this peer trains (see the module docstring for the order of decisions).
 
@@ -89,6 +95,11 @@ def plan(
         hw: what :func:`detect` found.
         probe: ``probe(micro_batch) -> peak_bytes or None`` measuring one forward/backward on
             the GPU (see :func:`make_torch_probe`); without it, or on CPU, memory is estimated.
+        speed: ``speed(micro_batch) -> samples/s or None`` measuring training at that size
+            (``TorchMemoryProbe.samples_per_second``): the micro-batch is then the fastest that
+            fits, up to the run's global batch, and steps accumulate up to
+            ``batch_size_per_step``; without it, the fewest micro-batches that make
+            ``batch_size_per_step``.
         max_memory_fraction: share of GPU memory (or RAM on CPU) the plan may fill. Lower it if
             you see "CUDA out of memory" after joining; raise it if the GPU stays half empty.
         min_samples_per_second: a CPU-only machine estimated slower than this joins as an
@@ -122,14 +133,14 @@ def plan(
         devices = tuple(f"cuda:{g.index}" for g in gpus) if len(gpus) > 1 else ()
         budget = max_memory_fraction * gpu.total_memory - CUDA_CONTEXT_BYTES
         return _plan_accelerator(
-            needs, hw, device, gpu.capability, budget, probe, reasons, devices=devices
+            needs, hw, device, gpu.capability, budget, probe, speed, reasons, devices=devices
         )
     if hw.mps:
         ram = hw.ram_bytes or FALLBACK_RAM_BYTES
         budget = max_memory_fraction * MPS_SHARE_OF_RAM * ram
         reasons.append(f"Apple GPU (MPS): up to {_size(budget)} of the shared {_size(ram)} RAM.")
-        return _plan_accelerator(needs, hw, "mps", None, budget, probe, reasons)
-    return _plan_cpu(needs, hw, max_memory_fraction, min_samples_per_second, reasons)
+        return _plan_accelerator(needs, hw, "mps", None, budget, probe, speed, reasons)
+    return _plan_cpu(needs, hw, max_memory_fraction, min_samples_per_second, speed, reasons)
 
 
 def _usable_gpus(hw: Hardware, reasons: list[str]) -> list[GPU]:
@@ -190,6 +201,7 @@ def _plan_accelerator(
     capability: tuple[int, int] | None,
     budget: float,
     probe: MemoryProbe | None,
+    speed: SpeedProbe | None,
     reasons: list[str],
     *,
     devices: tuple[str, ...] = (),
@@ -198,6 +210,11 @@ def _plan_accelerator(
     replicas = max(1, len(devices))
     # Each replica trains its share of the peer's samples per step.
     target = -(-needs.batch_size_per_step // replicas)
+    # With a speed probe the micro-batch may exceed the samples per step (up to the global
+    # batch): the fastest that fits is taken, and a step is then one micro-batch.
+    limit = (
+        target if speed is None else _largest_useful(needs, replicas, ACCELERATOR_MAX_MICRO_BATCH)
+    )
     is_cuda = capability is not None
     measured: dict[int, int | None] = {}
 
@@ -228,7 +245,7 @@ def _plan_accelerator(
         return scale * _without_optimizer(estimate) + estimate.optimizer
 
     def largest(layout: _Layout) -> int:
-        return largest_fitting_batch(lambda b: device_bytes(b, layout) <= budget, target)
+        return largest_fitting_batch(lambda b: device_bytes(b, layout) <= budget, limit)
 
     layout = _Layout(optimizer_8bit=needs.optimizer == "lamb8bit")
     best = largest(layout)
@@ -252,7 +269,11 @@ def _plan_accelerator(
             "memory, or lower sequence_length in the run config."
         )
         return TrainingPlan(auxiliary=True, memory_source=source, reasons=tuple(reasons))
-    micro, accumulation = _split_batch(target, best)
+    if speed is None:
+        micro, accumulation = _split_batch(target, best)
+    else:
+        micro = _fastest(best, speed, reasons)
+        accumulation = -(-target // micro)
     peak = int(device_bytes(micro, layout))
     per_gpu = f" x {replicas} GPUs" if replicas > 1 else ""
     reasons.append(
@@ -309,6 +330,39 @@ def _without_optimizer(estimate: MemoryEstimate) -> float:
     return estimate.device_bytes - estimate.optimizer * ESTIMATE_OVERHEAD
 
 
+def _largest_useful(needs: TrainingNeeds, replicas: int, cap: int) -> int:
+    """The largest micro-batch worth trying: ``cap``, and a local step of at most
+    1/``GLOBAL_BATCH_SHARE`` of the run's global batch (DeDLOC counts whole local steps: peers
+    overshoot the target by up to one step each, so steps stay small next to it)."""
+    if needs.target_batch_size > 0:
+        share = needs.target_batch_size // (GLOBAL_BATCH_SHARE * replicas)
+        cap = min(cap, max(share, needs.batch_size_per_step // replicas))
+    return max(cap, 1)
+
+
+def _fastest(largest: int, speed: SpeedProbe, reasons: list[str]) -> int:
+    """The micro-batch up to ``largest`` that trains the most samples per second, measured:
+    powers of two, then ``largest``, smallest first; a larger one is taken only if it is
+    ``SPEED_MARGIN`` faster. Stops at the first size that fails (memory, or the probe's time)."""
+    sizes = sorted({1 << k for k in range(largest.bit_length()) if 1 << k <= largest} | {largest})
+    chosen, best = 0, 0.0
+    measured: list[str] = []
+    for size in sizes:
+        rate = speed(size)
+        if rate is None:
+            break
+        measured.append(f"{size}: {rate:.1f}")
+        if chosen == 0 or rate > best * SPEED_MARGIN:
+            chosen, best = size, rate
+    if chosen == 0:  # nothing measured: the largest that fits, as without a speed probe
+        return largest
+    reasons.append(
+        f"micro-batch {chosen} is the fastest measured (samples/s by micro-batch: "
+        f"{', '.join(measured)})."
+    )
+    return chosen
+
+
 def _split_batch(target: int, largest: int) -> tuple[int, int]:
     """(micro, accumulation) with micro <= largest, the fewest micro-steps, least overshoot."""
     accumulation = -(-target // largest)
@@ -320,20 +374,25 @@ def _plan_cpu(
     hw: Hardware,
     max_memory_fraction: float,
     min_samples_per_second: float,
+    speed: SpeedProbe | None,
     reasons: list[str],
 ) -> TrainingPlan:
     cores = hw.cpu_cores or 1
-    speed = cores * CPU_FLOPS_PER_CORE / training_flops_per_sample(needs)
+    estimated = cores * CPU_FLOPS_PER_CORE / training_flops_per_sample(needs)
     ram = hw.ram_available_bytes or hw.ram_bytes or FALLBACK_RAM_BYTES
     budget = max_memory_fraction * ram
-    limit = min(needs.batch_size_per_step, CPU_MAX_MICRO_BATCH)
+    limit = (
+        min(needs.batch_size_per_step, CPU_MAX_MICRO_BATCH)
+        if speed is None
+        else _largest_useful(needs, 1, CPU_SPEED_PROBE_MAX_MICRO_BATCH)
+    )
     best = largest_fitting_batch(lambda b: estimate_memory(needs, b).device_bytes <= budget, limit)
     reasons.append(
-        f"no usable GPU: CPU with {cores} core(s), fp32; estimated {speed:.2f} samples/s."
+        f"no usable GPU: CPU with {cores} core(s), fp32; estimated {estimated:.2f} samples/s."
     )
-    if speed < min_samples_per_second or best == 0:
+    if estimated < min_samples_per_second or best == 0:
         why = (
-            f"{speed:.2f} samples/s is below the {min_samples_per_second:g} samples/s floor"
+            f"{estimated:.2f} samples/s is below the {min_samples_per_second:g} samples/s floor"
             if best
             else f"not even one sample fits in {_size(budget)} of RAM"
         )
@@ -342,21 +401,27 @@ def _plan_cpu(
             "to train, switch to a GPU runtime (Colab: Runtime > Change runtime type > T4 GPU)."
         )
         return TrainingPlan(
-            auxiliary=True, estimated_samples_per_second=speed, reasons=tuple(reasons)
+            auxiliary=True, estimated_samples_per_second=estimated, reasons=tuple(reasons)
         )
-    micro, accumulation = _split_batch(needs.batch_size_per_step, best)
+    if speed is None:
+        micro, accumulation = _split_batch(needs.batch_size_per_step, best)
+        limits = f"CPU micro-batches stay at most {CPU_MAX_MICRO_BATCH}"
+    else:
+        micro = _fastest(best, speed, reasons)
+        accumulation = -(-needs.batch_size_per_step // micro)
+        limits = f"up to {best} fit"
     peak = estimate_memory(needs, micro).device_bytes
     reasons.append(
         f"micro-batch {micro} x {accumulation} accumulation step(s) = {micro * accumulation} "
-        f"samples per step (target {needs.batch_size_per_step}); CPU micro-batches stay at "
-        f"most {CPU_MAX_MICRO_BATCH}; estimated {_size(peak)} of RAM."
+        f"samples per step (target {needs.batch_size_per_step}); {limits}; estimated "
+        f"{_size(peak)} of RAM."
     )
     return TrainingPlan(
         micro_batch=micro,
         accumulation_steps=accumulation,
         optimizer_8bit=needs.optimizer == "lamb8bit",
         estimated_peak_bytes=peak,
-        estimated_samples_per_second=speed,
+        estimated_samples_per_second=estimated,
         reasons=tuple(reasons),
     )
 

@@ -36,6 +36,7 @@ from kit.optim.epoch_actions import (
     StepWithoutRound,
 )
 from kit.optim.epochs import MAX_FAST_FORWARD, EpochLife, Phase, Position, Report
+from kit.optim.grad_scaling import current_scale, found_inf_tensor, hold_growth, record_check
 from kit.optim.progress import ProgressTracker
 from kit.optim.rounds import GradientRounds, RoundOutcome, group_bits
 from kit.optim.sharing import StateSharing
@@ -114,13 +115,19 @@ class EpochDriver:
         self.exact_steps = True
         self.nonfinite_rollbacks = 0  # steps undone because they left a parameter non-finite
         self._outcome: RoundOutcome | None = None  # of the last gradient round, to judge
+        self._backoff_due = False  # an averaged gradient was not finite: back the scale off
         self._step_ended: float | None = None  # when the last step() returned (perf_counter)
 
     # --- a step -----------------------------------------------------------------------------
 
-    def step(self, batch_size: int, grad_scaler: Any) -> None:
+    def step(self, batch_size: int, grad_scaler: Any, clip_norm: float | None = None) -> None:
         """``kit.Optimizer.step`` of a training peer (see its module for the whole story)."""
         self.apply_background_work()
+        if self._backoff_due and grad_scaler is not None:
+            # The last averaged gradient was not finite: every member skipped that step, and
+            # backs its loss scale off as the scaler would after an inf (grad_scaling).
+            record_check(grad_scaler, self, found_inf_tensor(True, current_scale(grad_scaler)))
+            self._backoff_due = False
         position = self._position()
         if position is Position.STEP_WITH_THEM:
             self.global_step()  # local updates: a peer a moment ahead counted our samples
@@ -132,7 +139,10 @@ class EpochDriver:
         if position is Position.FAST_FORWARD:
             self.finish_optimizer_step(wait=None)
             self._fast_forward(self.life.fast_forward(self.tracker.global_progress.epoch))
-        finite = batch_size > 0 and self.accumulated.add(batch_size, grad_scaler)
+        decide = self.local_updates  # local updates step on this gradient at once
+        finite = batch_size > 0 and self.accumulated.add(
+            batch_size, grad_scaler, decide=decide, clip_norm=clip_norm
+        )
         if finite and self.local_updates:
             self.inner.opt.step()
             self.roll_back_if_not_finite()
@@ -142,6 +152,8 @@ class EpochDriver:
         self.report()
         if self.life.may_step() and self.tracker.ready_to_update_epoch:
             self.global_step()
+        if self.reuse_grad_buffers and self.accumulated.samples > 0:
+            hold_growth(grad_scaler)  # .grad holds part of an epoch at this scale
         self._step_ended = time.perf_counter()
 
     def _position(self) -> Position:
@@ -155,6 +167,7 @@ class EpochDriver:
         """The collaboration has the target batch: average, step, move to the next epoch."""
         epoch = self.life.epoch
         self.finish_optimizer_step(wait=None)  # one optimizer step in flight at a time
+        self.accumulated.settle()  # the round's weight counts only finite micro-batches
         samples = self.accumulated.samples
         actions = self.life.ready(
             self.tracker.global_progress.epoch,
@@ -180,11 +193,13 @@ class EpochDriver:
             # delay_grad_averaging: the round and the optimizer step run in the background
             # thread while this peer computes the next epoch's batches; the result lands at a
             # safe point (one step stale, as in hivemind).
-            def average() -> None:  # in the optimizer's thread
+            def average() -> bool:  # in the optimizer's thread; False: skip the step
                 self._outcome = outcome = rounds.average(
                     epoch, samples, last_group_size=last_group_size, exact_steps=self.exact_steps
                 )
-                rounds.give_to(self.inner, outcome, reuse_grad_buffers=False)
+                finite = rounds.give_to(self.inner, outcome, reuse_grad_buffers=False)
+                self._backoff_due = self._backoff_due or not finite
+                return finite
 
             scheduler = self.sharing.scheduler
             self.inner.step(True, scheduler, reuse_grad_buffers=False, before=average)
@@ -195,7 +210,7 @@ class EpochDriver:
         )
         forward = self.life.round_ended(
             self.clock(),
-            averaged=outcome.result is not None,
+            averaged=outcome.went_through,
             global_epoch=self.tracker.global_progress.epoch,
             samples=samples,
             hold_for=rounds.search_time,
@@ -204,9 +219,12 @@ class EpochDriver:
             self._fast_forward(forward)
             return
         self._outcome = outcome
-        rounds.give_to(self.inner, outcome, reuse_grad_buffers=self.reuse_grad_buffers)
+        finite = rounds.give_to(self.inner, outcome, reuse_grad_buffers=self.reuse_grad_buffers)
         self.act(self.life.stepped())
-        self._step_inner(apply=True)
+        if not finite:
+            self._backoff_due = True
+            self.accumulated.clear_grads()  # (reuse_grad_buffers: no step consumes .grad)
+        self._step_inner(apply=finite)
 
     def _step_inner(self, *, apply: bool) -> None:
         reuse = self.reuse_grad_buffers
@@ -298,8 +316,8 @@ class EpochDriver:
             drifted=self.life.drifted,
             others_drifted=self.tracker.others_drifted(epoch),
         )
-        if not needed:
-            return
+        if not needed or self.tracker.global_progress.num_peers <= 1:
+            return  # (nobody to average with: a peer that shows up downloads our state)
         if self.state_round.running:
             logger.debug("the previous parameter round still runs: skipping epoch %d's", epoch)
             return

@@ -392,6 +392,8 @@ class Optimizer(torch.optim.Optimizer):
         closure: Callable[[], Any] | None = None,
         batch_size: int | None = None,
         grad_scaler: Any = None,
+        *,
+        clip_grad_norm: float | None = None,
     ) -> Any:
         """Accumulate this step's gradients; take a global step when the collaboration is ready.
 
@@ -399,9 +401,14 @@ class Optimizer(torch.optim.Optimizer):
             closure: recomputes the loss (as in torch.optim), optional.
             batch_size: samples in this step (default: ``batch_size_per_step``); 0 only checks
                 whether the collaboration is ready.
-            grad_scaler: a ``torch.amp.GradScaler`` whose scale is in the gradients; the
-                gradients are unscaled before accumulation, and a step with inf/NaN gradients
-                is skipped and halves the scale.
+            grad_scaler: a ``torch.amp.GradScaler`` (any, ``kit.GradScaler`` included) whose
+                scale is in the gradients: they are unscaled once, on what is averaged, and a
+                step with inf/NaN gradients is skipped. The inf/NaN check is recorded in the
+                scaler, so call ``grad_scaler.update()`` after this, as after
+                ``grad_scaler.step(opt)`` in plain PyTorch (``kit.optim.grad_scaling``).
+            clip_grad_norm: clip this step's gradient to this global L2 norm (of the unscaled
+                gradient) as it is accumulated, in the same pass (kit's, not hivemind's:
+                sahajBERT clipped each peer's local gradients); not with ``reuse_grad_buffers``.
         """
         loss = None
         if closure is not None:
@@ -416,7 +423,7 @@ class Optimizer(torch.optim.Optimizer):
                     "step() needs batch_size - help: pass it, or batch_size_per_step= when creating the Optimizer"
                 )
             batch_size = self.batch_size_per_step
-        self._driver.step(batch_size, grad_scaler)
+        self._driver.step(batch_size, grad_scaler, clip_grad_norm)
         return loss
 
     def load_state_from_peers(self, timeout: float | None = None) -> bool:

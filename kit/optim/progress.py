@@ -237,6 +237,7 @@ class ProgressTracker:
         self._others_samples: dict[int, int] = {}  # their reported samples, by epoch
         self._last_report_time: float | None = None
         self.fetched_at: float | None = None  # DHT time of the last fetch of the others' records
+        self.saw_others = False  # some fetch found another peer's record (since start)
         self._wake = asyncio.Event()
         self._fetched = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -414,6 +415,7 @@ class ProgressTracker:
                         samples.get(record.epoch, 0) + record.samples_accumulated
                     )
                 self._others, self._others_samples = others, samples
+                self.saw_others = self.saw_others or bool(others)
                 if self.fetched_at is None:
                     logger.debug(
                         "first look at the collaboration: %d other peers, epoch %d",

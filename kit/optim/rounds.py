@@ -36,15 +36,18 @@ from kit.averaging.deadlines import Deadlines
 from kit.averaging.grid import GridAverage, begin_after_pool, pool_delay, rounds_for
 from kit.dht.node import get_dht_time
 from kit.errors import AveragingFailed, KitError, KitTimeout, TransientError
-from kit.optim.accumulation import GradientAccumulator
+from kit.optim.accumulation import GradientAccumulator, all_finite
 from kit.optim.epoch_actions import Judgement
 from kit.optim.progress import ProgressTracker
 from kit.optim.stepping import InnerOptimizer
 from kit.p2p.identity import PeerID
+from kit.runtime import get_runtime
 
 logger = logging.getLogger(__name__)
 
 POLL = 0.05  # s between checks of a running round against the collaboration's progress
+ALONE_LOOK_TIMEOUT = 2.0  # s: a fresh look at the progress before stepping without a round
+ALONE_LOOK_AGE = 1.0  # s: a look at the progress this recent needs no fresh one
 
 
 def group_bits(epoch: int) -> str:
@@ -67,16 +70,27 @@ class RoundOutcome:
     exact: bool
     grid: GridAverage | None = None  # Moshpit: the rounds this peer went through
     total_weight: float = 0.0  # Moshpit: the samples of the epoch, as the tracker saw them
+    alone: bool = False  # nobody else in the collaboration: the step needed no round
+    in_sync: bool = True  # alone: nobody could have stepped without us (we never saw anyone)
+
+    @property
+    def went_through(self) -> bool:
+        """The step has its gradient: a round formed, or there was nobody to form one with."""
+        return self.alone or self.result is not None
 
     @property
     def group_size(self) -> int:
+        if self.alone:
+            return 1
         if self.grid is not None:  # the swarm averaged over, for the next epoch's expectation
             return self.expected if self.result is not None else 0
         return len(self.result) if self.result is not None else 0
 
     @property
     def averaged(self) -> bool:
-        """Our gradient was averaged with someone's (in at least one round)."""
+        """Our gradient was averaged with someone's (in at least one round), or needed none."""
+        if self.alone:
+            return True
         return self.grid.completed > 0 if self.grid is not None else self.result is not None
 
     @property
@@ -89,6 +103,8 @@ class RoundOutcome:
     @property
     def identical(self) -> bool:
         """Every peer we expected got the same, exact average: nobody drifted apart."""
+        if self.alone:
+            return self.in_sync
         result, grid = self.result, self.grid
         if grid is not None:
             complete = grid.completed == grid.rounds and grid.weight >= self.total_weight - 0.5
@@ -98,6 +114,8 @@ class RoundOutcome:
     @property
     def failed_or_partial(self) -> bool:
         """Our gradient (or part of it) stayed local: it differs from everyone else's."""
+        if self.alone:
+            return False
         if self.grid is not None:
             return self.grid.completed < self.grid.rounds or not self.grid.exact
         return self.result is None or not self.result.is_full
@@ -112,6 +130,8 @@ class RoundOutcome:
         )
 
     def log(self) -> None:
+        if self.alone:
+            return
         if self.grid is not None and not self.identical:
             logger.warning(
                 "averaging at epoch %d: %d of %d grid rounds went through, covering %.1f%% of "
@@ -312,6 +332,26 @@ class GradientRounds:
         self.averaging_timeout = deadlines.averaging_timeout(2)
         self.exact_gradients = exact_gradients
         self.listeners: list[Callable[[int, RoundResult], None]] = []
+        self._was_alone = False  # the last epoch stepped alone (log the switch once)
+
+    @property
+    def saw_others(self) -> bool:
+        """This peer has seen another peer of the collaboration since it started."""
+        return self.tracker.saw_others
+
+    def _alone(self) -> bool:
+        """Nobody else in the collaboration, by a recent look at the progress records: the
+        tracker's last fetch if it is at most ``ALONE_LOOK_AGE`` old, else a fresh one (a DHT
+        fetch; only when the last look showed nobody)."""
+        if self.tracker.global_progress.num_peers > 1:
+            return False
+        fetched = self.tracker.fetched_at
+        if fetched is not None and get_dht_time() - fetched <= ALONE_LOOK_AGE:
+            return True
+        progress = get_runtime().call(
+            self.tracker.wait_for_update(ALONE_LOOK_TIMEOUT), timeout=ALONE_LOOK_TIMEOUT + 1.0
+        )
+        return progress.num_peers <= 1
 
     @property
     def search_time(self) -> float:
@@ -325,7 +365,7 @@ class GradientRounds:
 
     def give_to(
         self, inner: InnerOptimizer, outcome: RoundOutcome, *, reuse_grad_buffers: bool
-    ) -> None:
+    ) -> bool:
         """Give the (averaged) buffers to the inner optimizer for its step.
 
         Chunks a one-group round left unaveraged (their aggregator failed, or the deadline came)
@@ -335,6 +375,11 @@ class GradientRounds:
         step differently, and no member would hold the collaboration's state to copy. (On a
         Moshpit grid a peer's value is already a mean over other groups' members, whose groups
         lost other chunks or none: it keeps it and is marked drifted, ``RoundOutcome``.)
+
+        Returns:
+            Whether the gradient is finite. Every member of a round holds the same average, so
+            an inf/NaN in it (an overflow on the wire, a bad aggregate) makes every member skip
+            that optimizer step alike (``kit.optim.grad_scaling``); it is not given then.
         """
         result = outcome.result
         with self.averager.get_tensors() as buffers:
@@ -343,7 +388,15 @@ class GradientRounds:
                     for spec, peers in zip(specs, part.chunk_peers, strict=False):
                         if not peers:
                             result.plan.chunk_view(buffers, spec).zero_()
+            if not all_finite(buffers):
+                logger.warning(
+                    "the averaged gradient of epoch %d is not finite: this optimizer step is "
+                    "skipped (by every member of the round alike)",
+                    outcome.epoch,
+                )
+                return False
             inner.set_gradients(buffers, reuse_grad_buffers=reuse_grad_buffers)
+        return True
 
     def average(
         self, epoch: int, samples: int, *, last_group_size: int, exact_steps: bool
@@ -354,6 +407,14 @@ class GradientRounds:
         """
         exact = self.exact_gradients and exact_steps
         expected = expected_peers(self.tracker, epoch, last_group_size)
+        if expected < 2 and self._alone():
+            # Nobody to average with: a round would search 2 x matchmaking_time + 1 s for
+            # nothing at every global step. Rounds resume as soon as a peer shows up.
+            log = logger.debug if self._was_alone else logger.info
+            log("no other peer in the collaboration: epoch %d steps without a round", epoch)
+            self._was_alone = True
+            return RoundOutcome(epoch, None, 1, exact, alone=True, in_sync=not self.saw_others)
+        self._was_alone = False
         self._apply_deadlines(expected)
         group_size = self.target_group_size
         if group_size is not None and expected > group_size:

@@ -79,18 +79,20 @@ class InnerOptimizer:
         scheduler: Any,
         *,
         reuse_grad_buffers: bool,
-        before: Callable[[], None] | None = None,
+        before: Callable[[], bool] | None = None,
     ) -> None:
         """The optimizer's step (if ``apply``) and the scheduler's: now, or in the thread.
 
         ``before`` runs first, in the same place (``delay_grad_averaging``: the gradient round,
-        which then gives the optimizer its gradients).
+        which then gives the optimizer its gradients); False from it skips the optimizer's step
+        (the averaged gradient was not finite).
         """
 
         def run() -> None:
+            go = apply
             if before is not None:
-                before()
-            if apply:
+                go = before() and apply
+            if go:
                 self.opt.step()
                 for master in self.master:
                     if reuse_grad_buffers and master.grad is not None:

@@ -11,6 +11,7 @@ holds no loop (``trainer``) and no network set-up (``kit.volunteer``).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 from typing import Any
 
@@ -21,6 +22,13 @@ from kit.errors import ConfigError
 from kit.hardware import Hardware, TrainingPlan, make_torch_probe, needs_from_model
 from kit.hardware import plan as make_plan
 from kit.hardware.memory import supports_gradient_checkpointing
+from kit.training.albert_speed import (
+    compile_layers,
+    prepare_batch,
+    pretraining_loss,
+    speed_up,
+    uses_sdpa,
+)
 from kit.training.checkpointing import enable_checkpointing, supports_kit_checkpointing
 from kit.training.components import (
     build_collaborative_optimizer,
@@ -30,6 +38,9 @@ from kit.training.components import (
 from kit.training.replicas import Replicas
 
 logger = logging.getLogger(__name__)
+
+#: Seconds a CPU volunteer's plan may spend measuring the speed of micro-batches.
+CPU_SPEED_PROBE_SECONDS = 5.0
 
 
 @dataclasses.dataclass
@@ -50,8 +61,10 @@ def plan_training(
     """Build the run's model (on the CPU) and plan how this machine trains it.
 
     ``hardware.bitsandbytes`` is kept only if kit's 8-bit LAMB really imports here, so the plan
-    never promises 8-bit statistics that would not be built. ``probe``: measure the memory of
-    one forward/backward on a CUDA GPU (see ``kit.hardware.make_torch_probe``).
+    never promises 8-bit statistics that would not be built. ``probe``: measure what training
+    really takes (``kit.hardware.make_torch_probe``, with the training loss on synthetic
+    batches): on a CUDA GPU the memory of one forward/backward and the speed of each
+    micro-batch that fits; on a CPU the speed (for at most a few seconds).
     """
     model = build_model(config)
     needs = needs_from_model(
@@ -61,19 +74,76 @@ def plan_training(
         optimizer=config.optimizer.name,
         supports_checkpointing=supports_kit_checkpointing(model)
         or supports_gradient_checkpointing(model),
+        target_batch_size=config.collaboration.target_batch_size,
     )
     if hardware.bitsandbytes and not eight_bit_available():
         logger.info("bitsandbytes is installed but does not import: no 8-bit optimizer")
         hardware = dataclasses.replace(hardware, bitsandbytes=False)
+    cuda = bool(hardware.gpus) and torch.cuda.is_available()
+    cpu = not hardware.gpus and not hardware.mps
     measure = None
-    if probe and hardware.gpus and torch.cuda.is_available():
-        measure = make_torch_probe(lambda: build_model(config), needs, "cuda")
+    if probe and (cuda or cpu):
+        generator = torch.Generator().manual_seed(0)
+        measure = make_torch_probe(
+            lambda: build_fast_model(config),
+            needs,
+            "cuda" if cuda else "cpu",
+            batch=lambda size: synthetic_batch(config, size, generator),
+            loss=training_loss,
+        )
+        if cpu:  # a CPU volunteer joins a few seconds later at most
+            measure.time_budget = CPU_SPEED_PROBE_SECONDS
     try:
-        result = make_plan(needs, hardware, probe=measure, **plan_options)
+        result = make_plan(
+            needs,
+            hardware,
+            probe=measure if cuda else None,
+            speed=measure.samples_per_second if measure is not None else None,
+            **plan_options,
+        )
     finally:
         if measure is not None:
             measure.close()
     return model, result
+
+
+def compiles_here(plan: TrainingPlan) -> bool:
+    """``model.compile`` applies on CUDA GPUs with Triton (torch.compile's GPU code generator),
+    where it pays; elsewhere compiling costs more start-up than it saves."""
+    return plan.device.startswith("cuda") and importlib.util.find_spec("triton") is not None
+
+
+def build_fast_model(config: RunConfig) -> torch.nn.Module:
+    """The run's model with :func:`kit.training.albert_speed.speed_up` applied."""
+    model = build_model(config)
+    speed_up(model)
+    return model
+
+
+def training_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], device: Any) -> Any:
+    """ALBERT's pretraining loss at the GPU's speed (``kit.training.albert_speed``): the batch
+    goes to ``device`` without a synchronisation, the MLM head runs at masked positions only."""
+    prepared = prepare_batch(batch, device, sdpa=uses_sdpa(model))
+    return pretraining_loss(model, prepared)
+
+
+def synthetic_batch(
+    config: RunConfig, size: int, generator: torch.Generator, *, mask_fraction: float = 0.15
+) -> dict[str, torch.Tensor]:
+    """A pretraining batch of random tokens shaped as the run's (``size`` x max_seq_length, a
+    ``mask_fraction`` of positions labelled), on the CPU: what probes and benchmarks train on."""
+    shape = (size, config.data.max_seq_length)
+    vocab = config.model.vocab_size
+    input_ids = torch.randint(5, vocab, shape, generator=generator)
+    labelled = torch.rand(shape, generator=generator) < mask_fraction
+    labelled[:, 1] = True  # every row predicts something
+    return {
+        "input_ids": input_ids,
+        "attention_mask": torch.ones_like(input_ids),
+        "token_type_ids": torch.zeros_like(input_ids),
+        "labels": torch.where(labelled, input_ids, torch.full_like(input_ids, -100)),
+        "sentence_order_label": torch.randint(0, 2, (size,), generator=generator),
+    }
 
 
 def build_training(
@@ -110,8 +180,14 @@ def build_training(
                 "the plan asks for gradient checkpointing, which this model does not support - "
                 "help: lower collaboration.batch_size_per_step or data.max_seq_length"
             )
+    for line in speed_up(model):
+        logger.info("model: %s", line)
     model = model.to(plan.device)
-    replicas = Replicas(model, plan.devices or (plan.device,))
+    replicas = Replicas(model, plan.devices or (plan.device,), loss=training_loss)
+    compiled = config.model.compile and compiles_here(plan)
+    for replica in replicas.models if compiled else ():
+        for line in compile_layers(replica):
+            logger.info("model: %s", line)
     inner = config.optimizer.name
     if plan.optimizer_8bit and inner == "lamb":
         inner = "lamb8bit"  # the plan's memory saver: the same LAMB with 8-bit statistics

@@ -76,6 +76,20 @@ def eight_bit_available() -> bool:
     return True
 
 
+def lamb_arguments(config: OptimizerConfig) -> dict[str, Any]:
+    """The ``optimizer:`` section as the keyword arguments of kit's LAMB (``torch_optimizer.Lamb``
+    takes the same ones, but ``max_grad_norm``)."""
+    return dict(
+        lr=config.lr,
+        betas=config.betas,
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+        clamp_value=config.lamb_clamp_value,
+        debias=config.lamb_debias,
+        max_grad_norm=config.max_grad_norm,
+    )
+
+
 def build_inner_optimizer(
     params: Any, config: OptimizerConfig, *, name: str | None = None
 ) -> torch.optim.Optimizer:
@@ -91,15 +105,7 @@ def build_inner_optimizer(
         ConfigError: an unknown name, or ``lamb8bit`` without bitsandbytes.
     """
     name = name or config.name
-    lamb: dict[str, Any] = dict(
-        lr=config.lr,
-        betas=config.betas,
-        eps=config.eps,
-        weight_decay=config.weight_decay,
-        clamp_value=config.lamb_clamp_value,
-        debias=config.lamb_debias,
-        max_grad_norm=config.max_grad_norm,
-    )
+    lamb = lamb_arguments(config)
     if name == "lamb":
         return Lamb(params, **lamb)
     if name == "lamb8bit":

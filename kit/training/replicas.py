@@ -30,6 +30,14 @@ from typing import Any
 import torch
 
 Batch = dict[str, torch.Tensor]
+#: ``loss(model, batch, device)``: the model's training loss on a CPU batch, moved to ``device``.
+LossFunction = Callable[[torch.nn.Module, Batch, torch.device], torch.Tensor]
+
+
+def model_loss(model: torch.nn.Module, batch: Batch, device: torch.device) -> torch.Tensor:
+    """Any model whose forward takes the batch's tensors and returns ``.loss`` (transformers)."""
+    moved = {name: tensor.to(device, non_blocking=True) for name, tensor in batch.items()}
+    return model(**moved).loss
 
 
 class Replicas:
@@ -38,12 +46,21 @@ class Replicas:
     Args:
         model: the main model, already on ``devices[0]``.
         devices: one device per replica, the main model's first (e.g. ``("cuda:0", "cuda:1")``).
+        loss: computes a replica's loss on its batch (default :func:`model_loss`; ALBERT
+            pretraining uses ``kit.training.albert_speed``).
     """
 
-    def __init__(self, model: torch.nn.Module, devices: Sequence[str | torch.device]) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        devices: Sequence[str | torch.device],
+        *,
+        loss: LossFunction = model_loss,
+    ) -> None:
         if not devices:
             devices = (next(model.parameters()).device,)
         self.devices = [torch.device(device) for device in devices]
+        self.loss = loss
         self.main = model
         self.models = [model] + [copy.deepcopy(model).to(device) for device in self.devices[1:]]
         self._main_params = list(model.parameters())
@@ -89,10 +106,9 @@ class Replicas:
 
         def run(index: int) -> torch.Tensor:
             model, device = self.models[index], self.devices[index]
-            batch = {name: t.to(device, non_blocking=True) for name, t in batches[index].items()}
             context = autocast(device) if autocast is not None else contextlib.nullcontext()
             with context:
-                loss = model(**batch).loss
+                loss = self.loss(model, batches[index], device)
             scaled = loss / divisor
             (scale(scaled) if scale is not None else scaled).backward()
             return loss.detach().float()

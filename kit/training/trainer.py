@@ -3,8 +3,8 @@
 
 Holds :class:`Trainer`. One local step = ``plan.accumulation_steps`` micro-batches of
 ``plan.micro_batch`` samples on each of the plan's devices (forward under autocast when the plan
-says so, backward, gradients summed into the main model: ``kit.training.replicas``), then local
-gradient clipping and ``kit.Optimizer.step(batch_size=...)``, which
+says so, backward, gradients summed into the main model: ``kit.training.replicas``), then
+``kit.Optimizer.step(batch_size=..., clip_grad_norm=...)``, which clips the local gradients and
 accumulates toward the collaboration's global batch and takes the global step when it is full
 (DeDLOC §3.1). The loop runs in the caller's thread (``run``) or in one worker thread it owns
 (``start``/``stop``), so that a notebook stays responsive while training: that thread only runs
@@ -30,7 +30,8 @@ import torch
 from kit.errors import KitError, StateDownloadFailed
 from kit.hardware.plan import TrainingPlan
 from kit.runtime import get_runtime
-from kit.training.replicas import Replicas
+from kit.training.pending_steps import PendingStep, StepClock
+from kit.training.replicas import LossFunction, Replicas, model_loss
 from kit.training.status import LOSS_HISTORY_LIMIT, TrainingState, TrainingStatus
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,15 @@ class Trainer:
         device_label: shown in the status, e.g. "Tesla T4 (fp16)".
         replicas: the model's replicas on the plan's devices (several GPUs); default: the model
             alone on ``plan.device``.
+        loss: the model's loss on a batch (see ``kit.training.replicas.LossFunction``; the
+            default calls the model's forward); only used without ``replicas``.
+
+    fp16 plans train with a ``torch.amp.GradScaler``: the loss is scaled before backward, and
+    ``kit.Optimizer`` unscales what it averages (``kit.optim.grad_scaling``) and clips each
+    local step's gradient as it accumulates it (one norm serves the clip and the inf/NaN
+    check). Nothing is read back from the device inside a step: each step's loss and compute
+    time are read one step later (``kit.training.pending_steps``), so a GPU never waits for
+    Python.
     """
 
     def __init__(
@@ -71,9 +81,10 @@ class Trainer:
         username: str | None = None,
         device_label: str | None = None,
         replicas: Replicas | None = None,
+        loss: LossFunction = model_loss,
     ) -> None:
         self.model = model
-        self.replicas = replicas or Replicas(model, (plan.device,))
+        self.replicas = replicas or Replicas(model, (plan.device,), loss=loss)
         # With reuse_grad_buffers .grad sums the whole epoch: kit.Optimizer clears it and
         # handles the loss scale itself.
         self.reuse_grad_buffers = bool(getattr(optimizer, "reuse_grad_buffers", False))
@@ -88,6 +99,8 @@ class Trainer:
             if plan.grad_scaler and plan.precision == "fp16"
             else None
         )
+        self._clock = StepClock(self.device)
+        self._pending: deque[PendingStep] = deque()  # steps whose figures are not read yet
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -97,7 +110,7 @@ class Trainer:
         self.local_steps = 0
         self.most_peers_seen = 1  # this peer included
         self.samples_total = 0
-        self.compute_seconds = 0.0
+        self.compute_seconds = 0.0  # forward/backward time of the steps read so far
         self.error: BaseException | None = None
         self._status = TrainingStatus(
             state=TrainingState.STARTING,
@@ -204,8 +217,11 @@ class Trainer:
             )
             raise
         finally:
+            self._read_steps(keep=0)
             self.replicas.close()
-        self.update_status(state=TrainingState.STOPPED, message="stopped")
+        with self._lock:
+            losses = tuple(self._losses)
+        self.update_status(state=TrainingState.STOPPED, message="stopped", loss_history=losses)
 
     # --- one step ----------------------------------------------------------------------------
 
@@ -225,35 +241,29 @@ class Trainer:
         self.update_status(state=TrainingState.TRAINING, local_epoch=self.optimizer.local_epoch)
 
     def _local_step(self) -> None:
-        started = time.perf_counter()
-        total_loss = torch.zeros((), device=self.device)
-        samples = 0
         steps = max(1, self.plan.accumulation_steps)
         micro_batches = steps * len(self.replicas)
         if len(self.replicas) > 1:
             self.replicas.sync_parameters()  # the optimizer changed the main model only
-        scale = self.scaler.scale if self.scaler is not None else None
+        scaler = self.scaler
+        scale = scaler.scale if scaler is not None else None
+        started = self._clock.mark()
+        total_loss: torch.Tensor | None = None
+        samples = 0
         for _ in range(steps):
             batches = [next(self.batches) for _ in range(len(self.replicas))]
             loss = self.replicas.forward_backward(
                 batches, micro_batches, autocast=self._autocast_on, scale=scale
             )
-            total_loss += loss.to(self.device)  # summed on the device: one sync per step
+            total_loss = loss if total_loss is None else total_loss + loss  # on the device
             samples += sum(int(batch["input_ids"].shape[0]) for batch in batches)
         self.replicas.gather_gradients()
-        if self.scaler is not None and not self.reuse_grad_buffers:
-            self.scaler.unscale_(self.optimizer)
-        if self.clip_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad_norm)
-        compute = time.perf_counter() - started
-        mean_loss = float(total_loss) / micro_batches
+        assert total_loss is not None
+        self._pending.append(
+            PendingStep(samples, total_loss / micro_batches, started, self._clock.mark())
+        )
         self.local_steps += 1
         self.samples_total += samples
-        self.compute_seconds += compute
-        with self._lock:
-            self._losses.append((self.local_steps, mean_loss))
-        for listener in list(self._step_listeners):
-            listener(samples, mean_loss, compute)
         tracker = self.optimizer.tracker
         behind = tracker.global_progress.epoch > self.optimizer.local_epoch
         if behind:
@@ -262,14 +272,26 @@ class Trainer:
             )
         elif tracker.ready_to_update_epoch:
             self.update_status(state=TrainingState.AVERAGING)
-        if self.reuse_grad_buffers:  # the optimizer unscales the summed .grad itself
-            self.optimizer.step(batch_size=samples, grad_scaler=self.scaler)
-        else:
-            self.optimizer.step(batch_size=samples)
+        # Clipping is fused into the accumulation (its norm is the inf/NaN check too).
+        clip = self.clip_grad_norm
+        self.optimizer.step(batch_size=samples, grad_scaler=scaler, clip_grad_norm=clip)
+        if not self.reuse_grad_buffers:  # (with it, the optimizer clears .grad itself)
             self.optimizer.zero_grad()
-        if self.scaler is not None:
-            self.scaler.update()
+        if scaler is not None:
+            scaler.update()  # on the device: the optimizer recorded its inf/NaN check
+        self._read_steps(keep=1)  # the previous step: its kernels are done by now
         self._report(TrainingState.TRAINING)
+
+    def _read_steps(self, keep: int) -> None:
+        """Read the figures of all pending steps but the newest ``keep`` (see the class)."""
+        while len(self._pending) > keep:
+            step = self._pending.popleft()
+            mean_loss, compute = step.read(self._clock)
+            self.compute_seconds += compute
+            with self._lock:
+                self._losses.append((self.local_steps - len(self._pending), mean_loss))
+            for listener in list(self._step_listeners):
+                listener(step.samples, mean_loss, compute)
 
     def _auxiliary_step(self) -> None:
         self.optimizer.step()

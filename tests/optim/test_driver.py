@@ -79,8 +79,11 @@ class Rounds:
 
     def give_to(
         self, inner: InnerOptimizer, outcome: RoundOutcome, *, reuse_grad_buffers: bool
-    ) -> None:
+    ) -> bool:
+        if not all(bool(torch.isfinite(t).all()) for t in self.mean):
+            return False
         inner.set_gradients(self.mean, reuse_grad_buffers=reuse_grad_buffers)
+        return True
 
     def average(self, epoch: int, samples: int, **options: Any) -> RoundOutcome:
         self.rounds.append((epoch, samples))
@@ -459,3 +462,50 @@ def test_a_settled_state_loaded_after_following_a_round_is_not_drifted_by_it() -
     land(averager, buffers, None)  # our round found no group: the settled state stands
     driver.step(0, None)
     assert all(torch.all(p == 5.0) for p in driver.inner.params) and not driver.life.drifted
+
+
+@pytest.mark.parametrize("delay", [False, True], ids=["now", "in-thread"])
+def test_a_non_finite_average_skips_the_step_and_backs_the_scale_off(delay: bool) -> None:
+    """Every member of a round holds the same average: an inf in it makes each skip that step
+    alike (the epoch and the schedule move on), and back its loss scale off."""
+    driver, tracker, rounds, _, _ = make_driver(
+        delay=delay, delay_grad_averaging=delay, reuse_grad_buffers=False
+    )
+    before = [p.detach().clone() for p in driver.inner.params]
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    scaler.scale(torch.ones(()))  # the scaler holds its scale from the first scale() on
+    rounds.mean = [torch.full_like(p, float("inf")) for p in driver.inner.params]
+    rounds.take_mean = lambda accumulated: None  # type: ignore[method-assign]
+    backward(driver)
+    tracker.samples = 64
+    driver.step(64, scaler)
+    scaler.update()
+    driver.finish_optimizer_step(wait=5.0)
+    assert driver.life.epoch == 1 and rounds.rounds == [(0, 64)]
+    for old, new in zip(before, driver.inner.params, strict=True):
+        assert torch.equal(old, new.detach())  # skipped
+    assert scaler.get_scale() == 2.0**8  # backed off at the next step, as after an inf
+    backward(driver)
+    driver.step(1, scaler)
+    scaler.update()
+    assert scaler.get_scale() == 2.0**7
+    driver.inner.shutdown()
+
+
+def test_a_lone_peer_steps_without_a_round_and_stays_in_sync() -> None:
+    driver, tracker, rounds, sharing, _ = make_driver()
+    tracker.peers = 1
+    before = [p.detach().clone() for p in driver.inner.params]
+
+    def alone(epoch: int, samples: int, **options: Any) -> RoundOutcome:
+        rounds.rounds.append((epoch, samples))
+        return RoundOutcome(epoch, None, 1, exact=True, alone=True)
+
+    rounds.average = alone  # type: ignore[method-assign]
+    backward(driver)
+    tracker.samples = 64
+    driver.step(64, None)
+    assert driver.life.epoch == 1 and driver.life.report is Report.LIVE
+    assert driver.life.sync is Sync.IN_SYNC and sharing.calls == []  # no refresh, no drift
+    for old, new in zip(before, driver.inner.params, strict=True):
+        torch.testing.assert_close(new.detach(), old - 0.5)

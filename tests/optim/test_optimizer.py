@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import kit
-from kit.averaging.control import AveragingStage
 from kit.dht import Ed25519SignatureValidator
 from kit.errors import ConfigError
 from kit.p2p.identity import Identity
@@ -267,14 +266,17 @@ def test_a_lone_first_peer_with_hivemind_options_trains_at_once() -> None:
             started = time.monotonic()
             assert opt.load_state_from_peers() is False  # nobody else: at once, as hivemind
             assert time.monotonic() - started < 2.0
+            started = time.monotonic()
             while opt.local_epoch < 2:
                 model(torch.randn(4, 8)).sum().backward()
                 opt.step()
                 opt.zero_grad()
                 time.sleep(0.05)
             assert opt.local_epoch == opt.tracker.global_epoch == 2
-            assert opt.scheduled_grads is not None and opt.scheduled_grads.done()
-            assert opt.scheduled_grads.stage is AveragingStage.FINISHED
+            # Nobody to average with: no round was even tried (each would have searched
+            # 2 x 0.3 + 1 s), so the gradient averager has no step yet.
+            assert time.monotonic() - started < 2.0
+            assert opt.scheduled_grads is None
             assert opt.tracker.performance_ema.samples_per_second > 0
             assert opt.is_alive() and opt.tracker.is_alive()
         finally:

@@ -22,6 +22,7 @@ from kit.averaging.partition import PartReport
 from kit.errors import ConfigError, KitUsageError
 from kit.optim.rounds import RoundOutcome
 from kit.optim.state_averaging import SAFETY_PERIOD, initialize_statistics, state_averaging_needed
+from kit.runtime import get_runtime
 from tests.optim.reference import make_model, micro_batches, target_batch_size, train_reference
 
 pytestmark = [pytest.mark.sockets]
@@ -46,13 +47,20 @@ def train_exactly(
     opt: kit.Optimizer,
     model: torch.nn.Module,
     peer: int,
-    amp: bool,
+    amp: bool | str,
     errors: list[BaseException],
     epochs: int = EPOCHS,
 ) -> None:
     """Each epoch: this peer's shard, then wait for the global step (and a delayed one to land)."""
     try:
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if amp else None
+        # A scale that would grow at every clean update: with reuse_grad_buffers .grad would
+        # mix two scales unless growth waits for the global step (kit.optim.grad_scaling).
+        growth_interval = 1 if amp == "growing" else 2000
+        scaler = (
+            torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=growth_interval)
+            if amp
+            else None
+        )
         deadline = time.monotonic() + 120
         for epoch in range(epochs):
             for inputs, targets in micro_batches(peer, epoch):
@@ -61,6 +69,8 @@ def train_exactly(
                 opt.step(batch_size=len(inputs), grad_scaler=scaler)
                 if not opt.reuse_grad_buffers:
                     opt.zero_grad()
+                if scaler is not None:
+                    scaler.update()  # as after scaler.step(opt) in plain PyTorch
             while (opt.local_epoch == epoch or opt._inner.pending) and (
                 time.monotonic() < deadline
             ):
@@ -73,11 +83,20 @@ def train_exactly(
         errors.append(e)
 
 
+def wait_until_seen(opt: kit.Optimizer, peers: int, timeout: float = 30.0) -> None:
+    """Until ``opt``'s tracker sees ``peers`` peers (itself included): a peer that sees nobody
+    steps without a round (kit.optim.rounds)."""
+    deadline = time.monotonic() + timeout
+    while opt.tracker.global_progress.num_peers < peers and time.monotonic() < deadline:
+        get_runtime().call(opt.tracker.wait_for_update(1.0), timeout=5.0)
+    assert opt.tracker.global_progress.num_peers >= peers
+
+
 def train_all(
     opts: Sequence[kit.Optimizer],
     models: Sequence[torch.nn.Module],
     *,
-    amp: bool = False,
+    amp: bool | str = False,
     epochs: int = EPOCHS,
 ) -> None:
     """Every peer trains its shard in a thread of its own (``train_exactly``); re-raises errors."""
@@ -144,6 +163,12 @@ def train_pair(**options: Any) -> list[dict[str, Any]]:
         {"amp": True},
         {"delay_grad_averaging": True},
         {"delay_grad_averaging": True, "reuse_grad_buffers": True},
+        {"amp": True, "reuse_grad_buffers": True},
+        {"amp": True, "offload_optimizer": True},
+        {"amp": True, "delay_optimizer_step": True, "reuse_grad_buffers": True},
+        {"amp": True, "delay_grad_averaging": True},
+        {"amp": "growing", "reuse_grad_buffers": True},
+        {"amp": "growing"},
     ],
     ids=[
         "reuse_grad_buffers",
@@ -152,6 +177,12 @@ def train_pair(**options: Any) -> list[dict[str, Any]]:
         "amp",
         "delay_grad_averaging",
         "delay_grad_averaging+reuse_grad_buffers",
+        "amp+reuse_grad_buffers",
+        "amp+offload_optimizer",
+        "amp+delay_optimizer_step+reuse_grad_buffers",
+        "amp+delay_grad_averaging",
+        "growing-amp+reuse_grad_buffers",
+        "growing-amp",
     ],
 )
 def test_two_peers_with_an_option_equal_one_process(options: dict[str, Any]) -> None:
@@ -393,8 +424,8 @@ def test_reuse_grad_buffers_forbids_zero_grad() -> None:
 def test_shutdown_gives_a_background_round_shutdown_timeout_then_cancels_it(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """A lone peer's background round waits for others (a 30 s matchmaking time): shutdown
-    waits shutdown_timeout for it, not the round's minute, and says so."""
+    """A background round waits for a peer that never comes (a 30 s matchmaking time):
+    shutdown waits shutdown_timeout for it, not the round's minute, and says so."""
     model = make_model()
     with kit.DHT(host="127.0.0.1", client_mode=False) as dht:
         with pytest.raises(ConfigError, match="help:"):
@@ -408,19 +439,32 @@ def test_shutdown_gives_a_background_round_shutdown_timeout_then_cancels_it(
             delay_grad_averaging=True,
             shutdown_timeout=0.5,
         )
-        inputs, targets = micro_batches(0, 0)[0]
-        torch.nn.functional.mse_loss(model(inputs), targets).backward()
-        opt.step(batch_size=4)  # the target: the round (and the step) go to the background
-        assert opt._inner.pending
-        began = time.monotonic()
-        with caplog.at_level("WARNING", logger="kit.optim.optimizer"):
-            opt.shutdown()
-        took = time.monotonic() - began
+        address = dht.get_visible_maddrs()[0]
+        with kit.DHT(initial_peers=[address], host="127.0.0.1", client_mode=False) as other:
+            silent = make_optimizer(other, make_model(), 4)  # seen, but never steps
+            try:
+                wait_until_seen(opt, 2)
+                shut_down_a_background_round(opt, model, caplog)
+            finally:
+                silent.shutdown()
+
+
+def shut_down_a_background_round(
+    opt: kit.Optimizer, model: torch.nn.Module, caplog: pytest.LogCaptureFixture
+) -> None:
+    inputs, targets = micro_batches(0, 0)[0]
+    torch.nn.functional.mse_loss(model(inputs), targets).backward()
+    opt.step(batch_size=4)  # the target: the round (and the step) go to the background
+    assert opt._inner.pending
+    began = time.monotonic()
+    with caplog.at_level("WARNING", logger="kit.optim.optimizer"):
+        opt.shutdown()
+    took = time.monotonic() - began
     assert took < 15.0, took  # before: the round's whole search, 2 x 30 + 1 s
     assert "did not finish within shutdown_timeout=0.5 s" in caplog.text
 
 
-def test_amp_scale_is_removed_and_overflow_halves_it() -> None:
+def test_amp_scale_is_removed_and_overflow_halves_it_at_update() -> None:
     model = make_model()
     with kit.DHT(host="127.0.0.1", client_mode=False) as dht:
         opt = make_optimizer(dht, model, 1000)
@@ -439,6 +483,7 @@ def test_amp_scale_is_removed_and_overflow_halves_it() -> None:
             overflow = torch.nn.functional.mse_loss(model(inputs), inputs[:, :2]) * float("inf")
             scaler.scale(overflow).backward()
             opt.step(batch_size=4, grad_scaler=scaler)
+            scaler.update()  # the step recorded its inf: the scale backs off, as after scaler.step
             assert scaler.get_scale() == 2.0**7
             assert opt._accumulated.samples == 4
         finally:
@@ -467,6 +512,7 @@ def test_auxiliary_peer_joins_the_rounds_of_a_lone_trainer() -> None:
                 while not stop.is_set():
                     helper.step()
 
+            wait_until_seen(trainer, 2)  # alone, it would step without a round
             assistant = threading.Thread(target=assist)
             assistant.start()
             errors: list[BaseException] = []

@@ -59,10 +59,11 @@ def test_a_delayed_step_runs_in_its_thread_and_lands_at_finish() -> None:
         def step(self) -> None:
             order.append("scheduler")
 
-    def before() -> None:
+    def before() -> bool:
         gate.wait(5.0)
         order.append(threading.current_thread().name)
         inner.set_gradients(ones(inner), reuse_grad_buffers=False)
+        return True  # (False: the averaged gradient was not finite, skip the step)
 
     try:
         old = [p.detach().clone() for p in net.parameters()]

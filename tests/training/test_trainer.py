@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+import traceback
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 import kit
 from kit.config import RunConfig
 from kit.hardware.plan import TrainingPlan
+from kit.training.albert_speed import speed_up
+from kit.training.assembly import training_loss
 from kit.training.components import build_collaborative_optimizer, build_model
 from kit.training.status import TrainingState, TrainingStatus
 from kit.training.trainer import Trainer
@@ -18,8 +23,6 @@ pytestmark = pytest.mark.sockets
 
 
 def tiny_config() -> RunConfig:
-    import dataclasses
-
     config = RunConfig.tiny_demo(data_files=["unused/*.txt"])
     model = dataclasses.replace(
         config.model, vocab_size=64, embedding_size=16, hidden_size=32, intermediate_size=64
@@ -204,7 +207,9 @@ class ScriptedOptimizer:
         self.tracker = ScriptedTracker(peers)
         self.param_groups: list = []
 
-    def step(self, batch_size: int) -> None:
+    def step(
+        self, batch_size: int, grad_scaler: object = None, clip_grad_norm: float | None = None
+    ) -> None:
         pass
 
     def zero_grad(self) -> None:
@@ -227,3 +232,57 @@ def test_losing_every_other_peer_shows_reconnecting_then_recovers() -> None:
     recovered = [s for s in seen[first_reconnecting:] if s.state is TrainingState.TRAINING]
     assert recovered and recovered[0].message == "back with 1 other peer(s)"
     assert trainer.status.state is TrainingState.STOPPED
+
+
+class HostReads(TorchFunctionMode):
+    """Counts reads of tensor values on the host: on a GPU each one waits for its kernels.
+    (Reads of the CPU batch in ``prepare_batch``, before anything reaches the device, are free
+    there too, and not counted.)"""
+
+    READS = frozenset({"item", "__bool__", "__float__", "__int__", "__index__", "tolist"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+        self.tensors: list[torch.Tensor] = []  # what was read (kept alive: ids stay unique)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if getattr(func, "__name__", "") in self.READS:
+            callers = {frame.name for frame in traceback.extract_stack(limit=6)}
+            if "prepare_batch" not in callers:
+                self.reads.append(func.__name__)
+                self.tensors.append(args[0])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["bf16-like", "fp16-scaler"])
+def test_a_local_step_reads_only_the_previous_step_back(dht, scaled: bool) -> None:
+    """What a GPU peer does between global steps (deferred checks, as on CUDA): per local
+    step, one read of the previous step's loss and one of its inf/NaN flag, both done by the
+    time the next step's kernels are queued; no read of the step just computed."""
+    config = tiny_config()
+    config = dataclasses.replace(
+        config, collaboration=dataclasses.replace(config.collaboration, target_batch_size=10_000)
+    )
+    plan = TrainingPlan(micro_batch=2, accumulation_steps=2)
+    model = build_model(config)
+    optimizer = build_collaborative_optimizer(model, config, dht, batch_size_per_step=4)
+    optimizer._accumulated.deferred = True  # the accelerator's path, on this CPU
+    speed_up(model)
+    trainer = Trainer(model, optimizer, random_batches(2), plan, loss=training_loss)
+    if scaled:
+        trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    try:
+        trainer.run(max_steps=2)  # warm: joined, tracker started, its steps all read
+        counts = []
+        for _ in range(5):
+            with HostReads() as reads:
+                trainer._local_step()
+            counts.append(sorted(reads.reads))
+            # This step's loss and inf/NaN flag stay unread until the next step is queued.
+            current = {id(trainer._pending[-1].loss), id(optimizer._accumulated._pending[-1].ok)}
+            assert not current & {id(tensor) for tensor in reads.tensors}
+    finally:
+        optimizer.shutdown()
+    assert counts[0] == ["__bool__"]  # (nothing of the trainer's was pending yet)
+    assert counts[1:] == [["__bool__", "__float__"]] * 4
