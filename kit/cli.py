@@ -17,11 +17,13 @@ COMMAND_MODULES = (
     "kit.demo",
     "kit.volunteer",
     "kit.coordinator_cli",
+    "kit.revoke_cli",
     "kit.preflight",
     "kit.p2p.demo",
     "kit.data.cli",
     "kit.evaluate_cli",
     "kit.dht.cli",
+    "kit.member_relay",  # adds --join to `kit dht`
     # kit-cli-modules (rooms add their module above this line)
 )
 

@@ -50,6 +50,7 @@ if TYPE_CHECKING:  # imported late where used: the services load only when the c
     from kit.p2p.peer import Peer
     from kit.p2p.transport import HttpRequest, HttpResponse
     from kit.preflight import PreflightReport
+    from kit.relay_directory import RelayDirectory
     from kit.training.auxiliary import AuxiliaryPeer
 
 logger = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ class CoordinatorOptions:
     hub_token: str | None = None  # Hub token with write access, for checkpoint pushes (None: $HF_TOKEN)
     hf_endpoint: str | None = None  # the Hub to talk to (None: $HF_ENDPOINT or huggingface.co)
     auxiliary_peer: bool = True  # run an auxiliary averaging peer (and the checkpointer) here
-    metrics_period: float = 10.0  # seconds between metrics collections; lower it for demos
+    metrics_period: float = 10.0  # seconds between metrics collections (and member-relay reads); lower it for demos
     preflight: bool = True  # refuse to start when a remote volunteer could not train (kit preflight)
     shard_tokens: int = 1 << 22  # token ids per served data shard; lower it for small corpora
     # fmt: on
@@ -121,6 +122,7 @@ class Coordinator:
         self.auxiliary: AuxiliaryPeer | None = None
         self.handout: Handout | None = None  # tokenizer, data shards, kit wheel, join notebook
         self.preflight: PreflightReport | None = None  # the start-up check's report
+        self.relays: RelayDirectory | None = None  # member relays, read from the DHT
         self._listen_port: int | None = None
         self._locks: list[IdentityLock] = []
         self._addresses: list[str] = []
@@ -134,6 +136,12 @@ class Coordinator:
 
         if self._started:
             raise KitError("this coordinator is already running - help: create a new one")
+        from kit.public_address import check_public_address, check_tls_files
+
+        # Before anything starts: what volunteers will be handed, and the TLS files.
+        check_public_address(self.options.host, self.options.announce)
+        if self.options.tls_certfile and self.options.tls_keyfile:
+            check_tls_files(self.options.tls_certfile, self.options.tls_keyfile)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         identity, lock = load_identity(self.state_dir / "identity.key")
         self._locks.append(lock)
@@ -190,6 +198,13 @@ class Coordinator:
                 self.auxiliary.start()
             if self.options.preflight:
                 self._check_as_a_volunteer()
+            from kit.coordinator_file import write_coordinator_file
+
+            # How `kit revoke --state-dir` finds us on this machine (removed by shutdown()).
+            secure = self.options.tls_certfile is not None
+            write_coordinator_file(
+                self.state_dir, self.config, self.options.host, self._listen_port, secure=secure
+            )
         except BaseException:
             self.shutdown()
             raise
@@ -197,17 +212,17 @@ class Coordinator:
         logger.info("dashboard: %s", self.dashboard_url)
 
     def _check_as_a_volunteer(self) -> None:
-        """``kit preflight`` against ourselves, on loopback (raises PreflightFailed)."""
-        from kit.preflight import check_own_port
+        """``kit preflight`` against ourselves at the link and addresses we hand out, not a
+        loopback rewrite of them: an address nobody can reach fails here (PreflightFailed)."""
+        from kit.preflight import check_own_link
         from kit.runtime import get_runtime
 
-        secure, authorizer = self.options.tls_certfile is not None, self.authorizer
+        authorizer = self.authorizer
         if authorizer is not None:  # a private run's data wants a token: our own peer's
             get_runtime().call(authorizer.credentials(), timeout=30.0)
-        self.preflight = report = check_own_port(
-            self.options.host,
-            self._listen_port or 0,
-            secure=secure,
+        self.preflight = report = check_own_link(
+            self.join_url,
+            self.addresses,
             authorization=None if authorizer is None else authorizer.bearer,
         )
         for line in report.text().splitlines():
@@ -298,6 +313,23 @@ class Coordinator:
             period=self.options.metrics_period,
         )
         collector.start()
+        from kit.relay_directory import RelayDirectory
+
+        def banned_keys() -> frozenset[bytes]:
+            revoked = None if authorizer is None else authorizer.revocations(run_id)
+            if revoked is None:
+                return frozenset()
+            now = time.time()
+            return frozenset(key for key, until in revoked.peer_public_keys if until > now)
+
+        # Member relays (`kit dht --join`): /api/run hands them out to NAT'd volunteers.
+        from kit.p2p.interfaces import is_loopback_only
+
+        local = is_loopback_only(self.options.host)
+        self.relays = relays = RelayDirectory(
+            node, run_id, banned_keys, local=local, period=self.options.metrics_period
+        )
+        relays.start()
         register_dashboard(
             peer,
             collector,
@@ -306,19 +338,28 @@ class Coordinator:
         )
         peer.add_http_route(RUN_INFO_PATH, self._serve_run_info)
         handout.register(peer, lambda: self.join_url, authorizer=authorizer)
+        from kit.revocation_admin import serve_revocation_admin
+
+        serve_revocation_admin(peer, run_id, issuer, self.revoke)  # kit revoke, GET /api/bans
         self._listen_port = peer.listen_port
 
     def shutdown(self) -> None:
         """Stop the auxiliary peer, the services and the DHT peer (idempotent)."""
+        if self._started:  # never one that did not start: another may run from this state dir
+            from kit.coordinator_file import remove_coordinator_file
+
+            remove_coordinator_file(self.state_dir)  # first: `kit revoke` finds nobody now
         if self.auxiliary is not None:
             self.auxiliary.stop()
             self.auxiliary = None
         if self.dht is not None:
-            collector = self.collector
+            collector, relays = self.collector, self.relays
 
             async def stop(_: DHT, __: DHTNode) -> None:
                 if collector is not None:
                     await collector.shutdown()
+                if relays is not None:
+                    await relays.shutdown()
 
             if self.dht.is_alive():
                 try:
@@ -373,7 +414,8 @@ class Coordinator:
         address = parse_address(self.addresses[0])
         scheme = "https" if address.secure else "http"
         host = f"[{address.host}]" if ":" in address.host else address.host
-        return f"{scheme}://{host}:{address.port}"
+        port = "" if address.port == (443 if address.secure else 80) else f":{address.port}"
+        return f"{scheme}://{host}{port}{address.path.rstrip('/')}"  # a proxy's location too
 
     @property
     def join_url(self) -> str:
@@ -388,13 +430,18 @@ class Coordinator:
         """``GET /api/run``: what a volunteer needs to join, and nothing else: not the allowlist
         (``base``: the ``scheme://host`` it used)."""
         authority = self.config.access.authority_public_key
+        own = self.addresses + list(self.config.access.bootstrap_peers)
+        members = self.relays.shuffled() if self.relays is not None else []
         config = self.config.to_dict()
         config["access"] = {k: v for k, v in config["access"].items() if k in PUBLIC_ACCESS_FIELDS}
         return {
             "run_id": self.config.collaboration.run_id,
             "config": config,
             "config_hash": self.config.config_hash(),
-            "initial_peers": self.addresses + list(self.config.access.bootstrap_peers),
+            "initial_peers": [*own, *(a for a in members if a not in own)],
+            # Whom NAT'd volunteers register with: member relays first, in a fresh order each
+            # time (spread over them), then ours and the bootstrap peers.
+            "relays": [*(a for a in members if a not in own), *own],
             "authority_public_key": authority,
             **(self.handout.describe(base or self.join_url) if self.handout else {}),
             "time": time.time(),

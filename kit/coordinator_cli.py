@@ -3,12 +3,16 @@
 ::
 
     kit coordinator --create-authority --state-dir coordinator   # prints the key for run.yaml
-    kit coordinator --config run.yaml --port 8765 --announce /dns/run.example.org/tcp/443/wss
+    kit coordinator --config run.yaml --port 8765 --announce run.example.org \\
+        --tls-cert fullchain.pem --tls-key privkey.pem
+    kit coordinator --config run.yaml --host 127.0.0.1 --port 8765 \\
+        --announce wss://run.example.org       # behind a TLS reverse proxy on port 443
 
 Reads the run config, starts a :class:`~kit.coordinator.Coordinator` with the options of this
 machine, prints the join link and the dashboard's address on stdout (the product: what the
-organizer hands out) and runs until Ctrl+C; a coordinator that cannot start (its start-up check
-found that a remote volunteer could not train) says why, one problem a line, and exits with 1.
+organizer hands out) and runs until Ctrl+C; a coordinator that cannot start (no public address
+to hand out, TLS files that cannot serve, or its start-up check found that a remote volunteer
+could not train) says why, one problem a line, and exits with 1.
 
 Separate from ``coordinator`` (the services and their lifecycle, the same from the config
 notebook) as ``evaluate_cli`` is from ``evaluate``: nothing but argument parsing and printing
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from typing import Any
 
 from kit.config import RunConfig
@@ -36,10 +41,17 @@ def add_command(subparsers: Any) -> None:
     parser.add_argument("--host", default="0.0.0.0", help="listen address (default: all)")
     parser.add_argument("--port", type=int, default=0, help="listening port (0: any free one)")
     parser.add_argument(
-        "--announce", action="append", default=[], help="public address to hand out (repeatable)"
+        "--announce",
+        action="append",
+        default=[],
+        help="how volunteers reach this machine: a public IP or DNS name (the listening port), "
+        "host:port, or wss://run.example.org behind a TLS reverse proxy (repeatable; default: "
+        "$PUBLIC_ADDRESS, comma-separated, else this machine's public interface addresses)",
     )
-    parser.add_argument("--tls-cert", default=None, help="serve wss:// with this certificate")
-    parser.add_argument("--tls-key", default=None, help="... and this private key")
+    parser.add_argument(
+        "--tls-cert", default=None, help="serve https/wss with this certificate chain (PEM)"
+    )
+    parser.add_argument("--tls-key", default=None, help="... and its private key (PEM)")
     parser.add_argument("--state-dir", default="coordinator", help="keys, leaderboard, checkpoints")
     parser.add_argument(
         "--tokenizer-dir",
@@ -61,6 +73,10 @@ def add_command(subparsers: Any) -> None:
     parser.set_defaults(handler=_coordinator_command)
 
 
+def _split(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
 def _coordinator_command(args: argparse.Namespace) -> int:
     if args.create_authority:
         print(create_authority(args.state_dir), flush=True)
@@ -73,7 +89,7 @@ def _coordinator_command(args: argparse.Namespace) -> int:
         options = CoordinatorOptions(
             host=args.host,
             port=args.port,
-            announce=tuple(args.announce),
+            announce=tuple(args.announce or _split(os.environ.get("PUBLIC_ADDRESS", ""))),
             tls_certfile=args.tls_cert,
             tls_keyfile=args.tls_key,
             state_dir=args.state_dir,

@@ -10,7 +10,9 @@ serves it:
   (``tokenizer.hub_repo``, ``checkpoint.hub_repo``) when it was made here;
 * the **data**: the organizer's files, tokenized into shards (``kit.data.serving``); in a
   private run for allowlisted users only (an access token as ``Authorization: Bearer``);
-* the **kit**: the wheel of the organizer's own kit (``kit.wheel``), under ``/install/``;
+* the **kit**: the wheel of the organizer's own kit (``kit.wheel``), under ``/install/``, with
+  its SHA-256 in ``/api/run`` (``install_sha256``): the join cell hands it to pip, which refuses
+  a wheel with other bytes (a cache, a proxy or a mirror that changed it on the way);
 * the **join notebook** with the link in it, at ``/join.ipynb`` (``kit.join_notebook``).
 
 :meth:`Handout.describe` is what ``/api/run`` adds for these. The coordinator wires it; this
@@ -101,6 +103,7 @@ class Handout:
         self._tokenizer_json = b""  # served from memory: the folder may move while the run goes on
         self.data: Any = None  # kit.data.serving.DataServer, when the run has served sources
         self.wheel: Path | None = None
+        self.wheel_sha256: str | None = None  # volunteers' pip checks it (the join cell pins it)
 
     # --- before the port opens ------------------------------------------------------------
 
@@ -120,6 +123,7 @@ class Handout:
             self.tokenizer_sha256 = hashlib.sha256(self._tokenizer_json).hexdigest()
             self._prepare_data()
         self.wheel = kit_wheel(self.state_dir / "wheel")
+        self.wheel_sha256 = hashlib.sha256(self.wheel.read_bytes()).hexdigest()
 
     def _find_tokenizer(self) -> Path | None:
         settings = self.config.tokenizer
@@ -213,12 +217,12 @@ class Handout:
                 self.data.guard = authorizer.request_guard(self.config.collaboration.run_id)
             self.data.register(peer)
         if self.wheel is not None:
-            wheel = self.wheel
+            wheel = self.wheel.read_bytes()  # from memory: the bytes whose sha256 is handed out
 
             async def serve_wheel(request: HttpRequest) -> HttpResponse:
-                return HttpResponse(200, wheel.read_bytes(), "application/octet-stream")
+                return HttpResponse(200, wheel, "application/octet-stream")
 
-            peer.add_http_route(INSTALL_PREFIX + wheel.name, serve_wheel)
+            peer.add_http_route(INSTALL_PREFIX + self.wheel.name, serve_wheel)
 
         async def serve_notebook(request: HttpRequest) -> HttpResponse:
             body = join_notebook_bytes(base_url(request, link()))
@@ -236,6 +240,7 @@ class Handout:
             "tokenizer_sha256": self.tokenizer_sha256,
             "data_manifest": MANIFEST_PATH if self.data is not None else None,
             "install": f"{base}{INSTALL_PREFIX}{self.wheel.name}" if self.wheel else None,
+            "install_sha256": self.wheel_sha256,
             "install_extras": install_extras(self.config),
             "kit_version": kit.__version__,
             "join_notebook": JOIN_NOTEBOOK_PATH,

@@ -3,7 +3,8 @@
 ``notebooks/join.ipynb`` is :func:`join_notebook` with a placeholder link (a test keeps the two
 equal), and every coordinator serves it filled in at ``GET /join.ipynb``; its dashboard shows
 :func:`join_cell` with a copy button. The cell installs the organizer's kit from the coordinator
-(``/api/run`` gives the wheel's URL under ``install``, and under ``install_extras`` the extras
+(``/api/run`` gives the wheel's URL under ``install``, its SHA-256 under ``install_sha256``,
+which the cell pins (``URL#sha256=...``: pip checks it), and under ``install_extras`` the extras
 the run needs, e.g. ``eightbit`` for an 8-bit LAMB; see ``kit.wheel`` for why two ``pip`` lines
 upgrade nothing) and calls ``kit.join``. It doesn't install or join anything itself.
 """
@@ -55,6 +56,7 @@ if INSTALL:  # --no-deps --force-reinstall: the organizer's build; then only mis
     with urllib.request.urlopen(COORDINATOR + "/api/run", timeout=60) as answer:
         RUN = json.load(answer)
     WHEEL = urllib.parse.urljoin(COORDINATOR + "/", RUN["install"])
+    WHEEL += "#sha256=" + RUN["install_sha256"]  # pip refuses a wheel with other bytes
     EXTRAS = ",".join(RUN.get("install_extras", []))  # e.g. eightbit: the run's 8-bit LAMB
     %pip install -q --no-deps --force-reinstall {{WHEEL}}
     %pip install -q "kit-collab[{{EXTRAS}}] @ {{WHEEL}}"

@@ -6,6 +6,8 @@ that path as ``kit.join`` does (through ``kit.remote_run``, in a fresh temporary
 joining the swarm) and stops short of the network of peers:
 
 1. **run**: fetch ``/api/run``; the config parses and hashes the same here.
+   **peers**: the bootstrap peers it hands out answer a TCP (and TLS) dial from here; the
+   coordinator checking itself dials each of its own addresses, the ones volunteers get.
 2. **versions**: this kit is the organizer's version; installed packages meet kit's lower bounds.
 3. **tokenizer**: the coordinator's copy (or the Hub repo) loads, has the recipe's special
    tokens and fits the model's vocabulary.
@@ -25,19 +27,23 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import importlib.metadata
 import math
 import os
+import socket
 import ssl
 import tempfile
-from collections.abc import Callable
+import urllib.parse
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import kit
 from kit.errors import KitError, PreflightFailed
 
-CHECKS = ("run", "versions", "tokenizer", "data", "training step")
+PEER_DIAL_TIMEOUT = 5.0  # seconds per address; a firewall that drops packets takes this long
+CHECKS = ("run", "peers", "versions", "tokenizer", "data", "training step")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +132,7 @@ def run_preflight(
     authorization: Callable[[], str | None] | None = None,
     hf_token: str | None = None,
     allow_insecure_http: bool = False,
+    own_addresses: Sequence[str] | None = None,
 ) -> PreflightReport:
     """Walk a remote volunteer's path into the run at ``address`` (see the module docstring).
 
@@ -137,6 +144,8 @@ def run_preflight(
         hf_token: a Hugging Face token of an allowlisted user: in a private run, log in with
             it (a throwaway peer key) and fetch the data with the access token it gets.
         allow_insecure_http: send ``hf_token`` to a plain-http coordinator on another machine.
+        own_addresses: the coordinator's check of itself: these peer addresses must all answer
+            (default: one of the run's bootstrap peers must).
     """
     if work_dir is None:
         with tempfile.TemporaryDirectory(prefix="kit-preflight-") as folder:
@@ -147,6 +156,7 @@ def run_preflight(
                 authorization=authorization,
                 hf_token=hf_token,
                 allow_insecure_http=allow_insecure_http,
+                own_addresses=own_addresses,
             )
     from kit.remote_run import fetch_run_info, load_run_tokenizer, open_served_data
 
@@ -173,8 +183,25 @@ def run_preflight(
             f"{len(info.initial_peers)} bootstrap peer(s)"
         )
 
+    def peers() -> str:
+        listed = list(own_addresses if own_addresses is not None else found["info"].initial_peers)
+        problems = [
+            p for p in (dial_problem(a, ssl_context, PEER_DIAL_TIMEOUT) for a in listed) if p
+        ]
+        if not listed or (problems and (own_addresses is not None or len(problems) == len(listed))):
+            raise PreflightFailed(
+                f"{'; '.join(problems) or 'no bootstrap peer is handed out'} - help: volunteers "
+                "dial these addresses: open the port in the firewall, or announce the address "
+                "that reaches this machine (--announce / PUBLIC_ADDRESS)"
+            )
+        unreachable = f"; {len(problems)} unreachable: {'; '.join(problems)}" if problems else ""
+        return (
+            f"{len(listed) - len(problems)} of {len(listed)} peer address(es) answer{unreachable}"
+        )
+
     def versions() -> str:
         theirs = found["info"].kit_version
+        pinned = "; the served wheel matches its sha256" if found["info"].install_sha256 else ""
         problems = _dependency_problems()
         if theirs is not None and theirs != kit.__version__:
             problems.insert(0, f"kit {kit.__version__} here, the organizer runs kit {theirs}")
@@ -183,7 +210,10 @@ def run_preflight(
                 "; ".join(problems) + " - help: install the organizer's kit from "
                 f"{found['info'].install_url or 'the coordinator'} (the join notebook does)"
             )
-        return f"kit {kit.__version__}; installed packages meet kit's requirements"
+        wheel = _wheel_problem(found["info"], ssl_context)
+        if wheel:
+            raise PreflightFailed(wheel)
+        return f"kit {kit.__version__}; installed packages meet kit's requirements{pinned}"
 
     def tokenizer() -> str:
         from kit.data.examples import VocabularyTables
@@ -232,10 +262,29 @@ def run_preflight(
         return f"forward and backward on the CPU at micro-batch 1, loss {loss:.3f}"
 
     if check("run", run):
+        check("peers", peers)
         check("versions", versions)
         if check("tokenizer", tokenizer) and check("data", data):
             check("training step", training_step)
     return PreflightReport(str(found["info"].url if "info" in found else address), tuple(checks))
+
+
+def _wheel_problem(info: Any, ssl_context: ssl.SSLContext | None) -> str | None:
+    """Whether the served wheel is the one whose digest ``/api/run`` gives (None: it is, or
+    none is served): the join cell pins that digest, and pip refuses any other bytes."""
+    from kit.http_client import http_get
+
+    if info.install_url is None or info.install_sha256 is None:
+        return None
+    served = hashlib.sha256(http_get(info.install_url, timeout=60.0, ssl_context=ssl_context))
+    if served.hexdigest() == info.install_sha256:
+        return None
+    return (
+        f"the wheel at {info.install_url} has sha256 {served.hexdigest()[:16]}..., /api/run "
+        f"says {info.install_sha256[:16]}...: the join cell's pip would refuse it - help: "
+        "restart the coordinator (it builds and hashes the wheel again); if it persists, "
+        "something between the coordinator and volunteers changes the file"
+    )
 
 
 def _login(
@@ -265,31 +314,54 @@ def _login(
     return authorizer.bearer
 
 
-def check_own_port(
-    host: str,
-    port: int,
+def check_own_link(
+    url: str,
+    addresses: Sequence[str],
     *,
-    secure: bool = False,
     authorization: Callable[[], str | None] | None = None,
 ) -> PreflightReport:
-    """:func:`run_preflight` against a coordinator listening on ``host:port`` of this machine.
-
-    A wildcard ``host`` is reached on loopback; with TLS, the certificate is not checked (it is
-    our own, reached by an address it may not name). ``authorization``: the coordinator's own
-    peer token, for the data of a private run.
+    """:func:`run_preflight` of a coordinator against itself, at the join link ``url`` and the
+    peer ``addresses`` it hands out (each must answer from here). Not a loopback rewrite: an
+    address that does not reach this machine fails. The certificate is checked as a
+    volunteer's kit checks it (the system CAs, the name in the link), except on loopback (a
+    local run: no certificate names 127.0.0.1). ``authorization``: the coordinator's own peer
+    token, for the data of a private run.
     """
-    host = host if host not in ("0.0.0.0", "::", "") else "127.0.0.1"
-    host = f"[{host}]" if ":" in host else host
+    from kit.p2p.interfaces import is_loopback_only
+
     context = None
-    if secure:
+    if is_loopback_only(urllib.parse.urlsplit(url).hostname or ""):
         context = ssl.create_default_context()
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
     return run_preflight(
-        f"{'https' if secure else 'http'}://{host}:{port}",
-        ssl_context=context,
-        authorization=authorization,
+        url, ssl_context=context, authorization=authorization, own_addresses=addresses
     )
+
+
+def dial_problem(address: str, ssl_context: ssl.SSLContext | None, timeout: float) -> str | None:
+    """Why a volunteer could not open a connection to the peer at ``address`` (None: it can):
+    TCP, and TLS with the certificate checked for wss:// (a relayed address: its relay's)."""
+    from kit.address import AddressError, parse_address
+
+    try:
+        parsed = parse_address(address)
+    except AddressError as e:
+        return str(e)
+    while parsed.relay is not None:
+        parsed = parsed.relay
+    try:
+        with socket.create_connection((parsed.host, parsed.port), timeout=timeout) as sock:
+            if parsed.secure:
+                context = ssl_context or ssl.create_default_context()
+                sock.settimeout(timeout)
+                with context.wrap_socket(sock, server_hostname=parsed.host):
+                    pass
+    except ssl.SSLError as e:
+        return f"{parsed.host}:{parsed.port}: TLS failed ({e.reason or e})"
+    except OSError as e:
+        return f"{parsed.host}:{parsed.port}: {e.strerror or e}"
+    return None
 
 
 def add_command(subparsers: Any) -> None:

@@ -44,7 +44,9 @@ class RunInfo:
     tokenizer_sha256: str | None = None  # its published digest (a download is checked against it)
     data_manifest_url: str | None = None  # absolute URL of the served data's manifest, if any
     install_url: str | None = None  # the wheel of the organizer's kit
+    install_sha256: str | None = None  # its digest: the join cell pins it (pip checks it)
     kit_version: str | None = None  # the organizer's kit version
+    relays: tuple[str, ...] = ()  # whom a NAT'd peer registers with: member relays first
 
 
 def coordinator_url(address: str) -> str:
@@ -95,7 +97,9 @@ def fetch_run_info(
         digest = answer.get("tokenizer_sha256")
         manifest_url = _absolute(url, answer.get("data_manifest"))
         install_url = _absolute(url, answer.get("install"))
+        wheel_digest = answer.get("install_sha256")
         version = answer.get("kit_version")
+        relays = tuple(str(relay) for relay in answer.get("relays") or ())
     except (ValueError, KeyError, TypeError) as error:
         raise CoordinatorUnreachable(
             f"{url} did not answer with a kit run ({type(error).__name__}: {error}) - help: "
@@ -118,7 +122,9 @@ def fetch_run_info(
         tokenizer_sha256=str(digest) if digest else None,
         data_manifest_url=manifest_url,
         install_url=install_url,
+        install_sha256=str(wheel_digest) if wheel_digest else None,
         kit_version=str(version) if version else None,
+        relays=relays,
     )
 
 

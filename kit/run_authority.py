@@ -5,7 +5,8 @@ run.yaml as ``access.authority_public_key``), :func:`open_issuer` (at start: tha
 against run.yaml, signing the access tokens), and the ban list's life: kept in ``state_dir``
 across restarts (:func:`save_revocations`, :func:`load_revocations`), enforced on the
 coordinator's own peer and published in the DHT for every other peer's session guard
-(:func:`apply_revocations`).
+(:func:`apply_revocations`). ``kit revoke`` reads the key and the kept list without the
+coordinator's lock (:func:`read_authority`, :func:`read_revocations`): it runs beside it.
 
 Separate from ``coordinator`` because it is the authority's bookkeeping (key files, signed
 lists, their checks) with no lifecycle of its own: the coordinator starts, serves and stops
@@ -21,8 +22,8 @@ from typing import TYPE_CHECKING, cast
 
 from kit.config import RunConfig
 from kit.dht.config import get_dht_time
-from kit.errors import ConfigError, KitError
-from kit.p2p.identity import b58decode, b58encode, load_identity
+from kit.errors import ConfigError, IdentityError, KitError, KitUsageError
+from kit.p2p.identity import Identity, b58decode, b58encode, load_identity
 
 if TYPE_CHECKING:  # imported late where used: the services load only when the coordinator starts
     from kit.auth import AllowlistAuthorizer, RevocationList, TokenIssuer
@@ -45,6 +46,38 @@ def create_authority(state_dir: str | Path) -> str:
     identity, lock = load_identity(authority_key_path(state_dir))
     lock.release()
     return b58encode(identity.public_key)
+
+
+def read_authority(state_dir: str | Path) -> Identity:
+    """The authority key in ``state_dir``, read WITHOUT the lock that the running coordinator
+    holds on it (the key never changes once created: reading it beside the coordinator is safe).
+
+    Raises:
+        KitUsageError: there is no key: an open run, or not the coordinator's state dir.
+        IdentityError: the file cannot be read, or is not a key.
+    """
+    path = authority_key_path(state_dir)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise KitUsageError(
+            f"there is no authority key in {state_dir} ({path.name} is missing): an open run "
+            "(no access.authority_public_key in run.yaml) cannot ban anyone - help: pass the "
+            "--state-dir the coordinator runs from; to ban in an open run, create an authority "
+            "(kit coordinator --create-authority), put its key in run.yaml and restart"
+        ) from None
+    except OSError as e:
+        raise IdentityError(
+            f"cannot read the authority key {path}: {e.strerror} - help: run this as the user "
+            "who runs the coordinator"
+        ) from None
+    try:
+        return Identity.from_private_bytes(raw)
+    except (IdentityError, ValueError):
+        raise IdentityError(
+            f"{path} is not an authority key ({len(raw)} bytes, not a 32-byte Ed25519 key) - "
+            "help: restore it from your backup (the key in run.yaml is its public half)"
+        ) from None
 
 
 def open_issuer(
@@ -96,20 +129,31 @@ def load_revocations(state_dir: Path, issuer: TokenIssuer) -> None:
     Raises:
         ConfigError: the kept list is unreadable or not signed by this authority.
     """
+    saved = read_revocations(state_dir, issuer.authority_public_key)
+    if saved is not None:
+        issuer.revocations = saved
+
+
+def read_revocations(state_dir: str | Path, authority_public_key: bytes) -> RevocationList | None:
+    """The ban list kept in ``state_dir``, verified (None: none is kept).
+
+    Raises:
+        ConfigError: the kept list is unreadable or not signed by this authority.
+    """
     from kit.auth import RevocationList
 
-    path = revocations_path(state_dir)
+    path = revocations_path(Path(state_dir))
     if not path.exists():
-        return
+        return None
     try:
         saved = RevocationList.from_bytes(path.read_bytes())
-        saved.verify(issuer.authority_public_key)
-    except KitError as e:
+        saved.verify(authority_public_key)
+    except (KitError, OSError) as e:
         raise ConfigError(
             f"{path} is unreadable ({e}) - help: restore it from a backup, or delete it to "
             "lift every ban"
         ) from e
-    issuer.revocations = saved
+    return saved
 
 
 async def apply_revocations(

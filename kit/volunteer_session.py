@@ -173,6 +173,8 @@ class Volunteer:
             peer_options["authorizer"] = self.authorizer
         if self.ssl_context is not None:
             peer_options["client_ssl"] = self.ssl_context
+        if self.info.relays:  # member relays first: NAT'd volunteers spread over them
+            peer_options["relays"] = tuple(self.info.relays)
         self.dht = dht = DHT(
             initial_peers=list(self.info.initial_peers),
             client_mode=self.client_mode,

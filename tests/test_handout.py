@@ -8,6 +8,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
+import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 
@@ -18,6 +21,7 @@ from kit.config import RunConfig
 from kit.coordinator import Coordinator, CoordinatorOptions
 from kit.demo import prepare
 from kit.dht import DHT
+from kit.preflight import run_preflight
 from kit.volunteer import Volunteer, fetch_run_info, http_get
 from tests.test_coordinator import free_port, wait_for
 
@@ -72,17 +76,61 @@ def test_run_info_names_the_wheel_as_reached_the_tokenizer_digest_and_bootstrap_
         # The wheel is the one the coordinator built, served whole.
         wheel = http_get(url + "/install/" + Path(run["install"]).name)
         assert wheel == coordinator.handout.wheel.read_bytes()
+        assert run["install_sha256"] == hashlib.sha256(wheel).hexdigest()
         notebook = json.loads(get(url + "/join.ipynb", behind_proxy))
         (cell,) = [c for c in notebook["cells"] if c["cell_type"] == "code"]
         assert 'COORDINATOR = "https://run.example.org"' in "".join(cell["source"])
+        assert 'WHEEL += "#sha256=" + RUN["install_sha256"]' in "".join(cell["source"])
         # A volunteer gets all of it, with URLs made absolute against its link.
         info = fetch_run_info(url)
         assert info.install_url is not None and info.install_url.startswith(url + "/install/")
+        assert info.install_sha256 == run["install_sha256"]
         assert info.data_manifest_url == url + "/api/data/manifest.json"
         assert info.initial_peers[-1] == extra
         # A Host header that is not a host name is not echoed into URLs.
         odd = json.loads(get(url + "/api/run", {"Host": 'evil"><script>'}))
         assert odd["install"].startswith(url + "/install/")
+
+
+@pytest.mark.processes  # pip, as the join cell runs it
+def test_pip_installs_the_pinned_wheel_and_refuses_other_bytes(tmp_path: Path) -> None:
+    """The join cell's ``URL#sha256=...``: pip takes the served wheel with its published digest,
+    refuses it under any other digest (what a changed file looks like) and keeps nothing; the
+    preflight says the same before any volunteer tries."""
+    config, tokenizer_dir = prepare(tmp_path, documents=200)
+    options = CoordinatorOptions(
+        host="127.0.0.1",
+        state_dir=str(tmp_path / "coordinator"),
+        tokenizer_dir=str(tokenizer_dir),
+        auxiliary_peer=False,
+        preflight=False,
+    )
+    with Coordinator(config, options) as coordinator:
+        info = fetch_run_info(coordinator.join_url)
+        assert info.install_url is not None and info.install_sha256 is not None
+
+        def pip_download(digest: str, into: Path) -> subprocess.CompletedProcess[str]:
+            command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-index"]
+            return subprocess.run(
+                [*command, "-d", str(into), f"{info.install_url}#sha256={digest}"],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                env={k: v for k, v in os.environ.items() if "proxy" not in k.lower()},
+            )
+
+        good = pip_download(info.install_sha256, tmp_path / "good")
+        assert good.returncode == 0, good.stderr
+        assert [p.name for p in (tmp_path / "good").iterdir()] == [Path(info.install_url).name]
+        wrong = "0" * 64
+        refused = pip_download(wrong, tmp_path / "refused")
+        assert refused.returncode != 0
+        assert "DO NOT MATCH THE HASHES" in refused.stderr and wrong in refused.stderr
+        assert not list((tmp_path / "refused").glob("*.whl"))
+        coordinator.handout.wheel_sha256 = wrong  # /api/run now gives a digest pip would refuse
+        report = run_preflight(coordinator.join_url)
+        (problem,) = report.problems
+        assert problem.startswith("versions: the wheel at ") and "pip would refuse it" in problem
 
 
 @pytest.mark.processes  # two training volunteers and a coordinator restart
@@ -231,7 +279,7 @@ def test_the_join_cell_installs_the_extras_the_runs_optimizer_needs(
         answer = json.loads(get(coordinator.join_url + "/api/run", {}))
         assert answer["install_extras"] == sorted(extras)
         commands = run_join_cell(coordinator.join_url)
-    wheel = answer["install"]
+    wheel = answer["install"] + "#sha256=" + answer["install_sha256"]  # pinned: pip checks it
     assert commands[0].split() == ["install", "-q", "--no-deps", "--force-reinstall", wheel]
     # The second line installs what is missing: kit's dependencies and the run's extras.
     arguments = shlex.split(commands[1])

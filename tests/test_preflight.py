@@ -19,8 +19,9 @@ import kit
 from kit.config import RunConfig, SourceConfig
 from kit.coordinator import Coordinator, CoordinatorOptions, create_authority
 from kit.demo import prepare
-from kit.errors import DataSourceNotFound, PreflightFailed
+from kit.errors import ConfigError, DataSourceNotFound, PreflightFailed
 from kit.preflight import CHECKS, run_preflight
+from tests.p2p.tls import make_certificate
 from tests.test_coordinator import free_port
 
 pytestmark = pytest.mark.sockets
@@ -73,7 +74,7 @@ def test_another_kit_version_is_a_problem_with_the_organizers_wheel_as_help(
     assert problem.startswith(f"versions: kit {kit.__version__} here, the organizer runs kit 9.9.9")
     assert "help: install the organizer's kit from http://127.0.0.1:" in problem
     assert ".whl" in problem
-    assert [check.ok for check in report.checks] == [True, False, True, True, True]
+    assert [check.ok for check in report.checks] == [True, True, False, True, True, True]
 
 
 def test_kit_preflight_on_a_dead_link_exits_1_with_help(tmp_path: Path) -> None:
@@ -108,6 +109,71 @@ def test_a_coordinator_without_a_tokenizer_volunteers_can_get_refuses_to_start(
     assert "could not train" in str(refused.value)
     with socket.socket() as sock:  # nothing was left running
         assert sock.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_a_coordinator_on_every_interface_with_no_public_address_refuses_before_it_starts(
+    organizer: tuple[RunConfig, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The config notebook's default host, on a machine whose addresses are all private (a
+    laptop, a cloud VM behind 1:1 NAT): no link with 0.0.0.0 in it, no green check; a hint."""
+    from kit.p2p import interfaces
+
+    monkeypatch.setattr(interfaces, "_raw_interface_addresses", lambda: ["127.0.0.1", "10.0.0.4"])
+    config, root = organizer
+    state = tmp_path / "state"
+    with pytest.raises(ConfigError, match="no public address .* help: pass --announce"):
+        Coordinator(config, options(root, host="0.0.0.0", state_dir=str(state))).start()
+    assert not state.exists()  # nothing started half-way
+    _, other_key = make_certificate(tmp_path, prefix="other-")
+    certfile, _ = make_certificate(tmp_path)
+    mismatched = options(
+        root, state_dir=str(state), tls_certfile=str(certfile), tls_keyfile=str(other_key)
+    )
+    with pytest.raises(ConfigError, match="does not match the certificate"):
+        Coordinator(config, mismatched).start()
+    assert not state.exists()
+
+
+def test_the_start_up_check_dials_the_announced_address_not_a_loopback_rewrite(
+    organizer: tuple[RunConfig, Path], tmp_path: Path
+) -> None:
+    """Announced at a port where nothing listens: what volunteers would be handed does not
+    answer, so the coordinator does not start, and says which address failed and why."""
+    config, root = organizer
+    port, wrong = free_port(), free_port()
+    coordinator = Coordinator(
+        config,
+        options(
+            root, state_dir=str(tmp_path / "state"), port=port, announce=(f"127.0.0.1:{wrong}",)
+        ),
+    )
+    with pytest.raises(PreflightFailed) as refused:
+        coordinator.start()
+    (problem,) = refused.value.problems
+    assert problem.startswith("run: cannot reach") and f"127.0.0.1:{wrong}" in problem
+    with socket.socket() as sock:  # nothing was left running
+        assert sock.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_preflight_dials_the_peer_addresses_a_run_hands_out(
+    running: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dead = f"/ip4/127.0.0.1/tcp/{free_port()}/ws"
+    info = running.run_info
+    monkeypatch.setattr(
+        running, "run_info", lambda base=None: {**info(base), "initial_peers": [dead]}
+    )
+    report = run_preflight(running.join_url)
+    (problem,) = report.problems
+    assert problem.startswith(f"peers: 127.0.0.1:{dead.split('/')[4]}: ") and "refused" in problem
+    assert "help: volunteers dial these addresses" in problem
+    live = running.addresses[0]  # one answers: enough for a volunteer, the dead one is named
+    monkeypatch.setattr(
+        running, "run_info", lambda base=None: {**info(base), "initial_peers": [dead, live]}
+    )
+    report = run_preflight(running.join_url)
+    assert report.ok, report.text()
+    assert "1 of 2 peer address(es) answer; 1 unreachable" in report.text()
 
 
 def test_a_coordinator_whose_hub_dataset_volunteers_cannot_stream_refuses_to_start(
@@ -184,11 +250,11 @@ def test_a_private_runs_data_is_checked_with_a_token_and_refused_without(
             stranger = preflight()
             assert stranger.returncode == 1, stranger.stdout
             lines = stranger.stdout.splitlines()
-            assert [line.split(":")[0] for line in lines[:4]] == [
-                "ok   run", "ok   versions", "ok   tokenizer", "FAIL data"
+            assert [line.split(":")[0] for line in lines[:5]] == [
+                "ok   run", "ok   peers", "ok   versions", "ok   tokenizer", "FAIL data"
             ]  # fmt: skip
-            assert "HTTP 401: no access token: this run's data is for allowlisted users" in lines[3]
-            assert "--hf-token" in lines[3]
+            assert "HTTP 401: no access token: this run's data is for allowlisted users" in lines[4]
+            assert "--hf-token" in lines[4]
             unlisted = run_preflight(coordinator.join_url, hf_token="hf_mallory")
             (problem,) = unlisted.problems
             assert problem.startswith("data: ") and "not on the allowlist" in problem, problem

@@ -100,13 +100,19 @@ class AsyncAverager:
         self.tensors = check_tensors(tensors)
         self.node, self.peer, self.settings = node, node.peer, settings
         self.lock = lock or threading.Lock()  # held by a round and by get_tensors()
+        # The averaging role (hivemind's client_mode): True aggregates nothing and never leads.
+        # Explicit in the settings, else decided by whether others can connect to this peer
+        # directly (``PeerAPI.can_accept``), not by whether it listens (``client_mode``): a
+        # client-mode peer behind a NAT it can punch through aggregates like a public one. This
+        # is the role at creation (state sharing, ``mode``); each round asks again (``_member``).
         self.client_mode = (
-            self.peer.client_mode if settings.client_mode is None else settings.client_mode
+            not self.peer.can_accept if settings.client_mode is None else settings.client_mode
         )
-        if self.peer.client_mode and not self.client_mode:
+        if not self.peer.can_accept and not self.client_mode:
             raise ConfigError(
-                "client_mode=False needs a peer that accepts connections, and the DHT's peer is "
-                "in client mode - help: leave client_mode=None"
+                "client_mode=False needs a peer that others can connect to (it listens, or can "
+                "punch through its NAT), and the DHT's peer cannot accept connections - help: "
+                "leave client_mode=None"
             )
         self.descriptors = [TensorDescriptor.from_tensor(t) for t in self.tensors]
         self.chunk_elements = chunk_elements(
@@ -317,17 +323,30 @@ class AsyncAverager:
                 logger.info("%s: %s; looking for a group again", self.settings.prefix, e)
                 await asyncio.sleep(RETRY_PAUSE)
 
+    def _member(self, weight: float) -> MemberInfo:
+        """What this peer brings to its next group. Unless told, it aggregates if others can
+        connect to it now (``can_accept`` may change: a peer whose punches keep failing stops);
+        an aggregator declares the addresses others reach it at (a client-mode peer's relayed
+        ones: dials there are hole punched), and one that has none yet (not registered with a
+        relay) is a client this round."""
+        client = self.settings.client_mode
+        if client is None:
+            client = not self.peer.can_accept
+        addresses = () if client else tuple(self.peer.get_visible_addresses())
+        client = client or (not addresses and not self.settings.auxiliary)
+        return MemberInfo(
+            self.peer.peer_id,
+            client,
+            self.settings.auxiliary,
+            weight,
+            self.bandwidth,
+            () if client else addresses,
+        )
+
     async def _attempt(self, control: StepControl) -> RoundResult:
         loop = asyncio.get_running_loop()
         started = loop.time()
-        me = MemberInfo(
-            self.peer.peer_id,
-            self.client_mode,
-            self.settings.auxiliary,
-            control.weight,
-            self.bandwidth,
-            () if self.client_mode else tuple(self.peer.get_visible_addresses()),
-        )
+        me = self._member(control.weight)
         group = await self.matchmaking.find_group(me, control.deadline, control.scheduled_time)
         matchmaking_time = loop.time() - started
         if group is None:

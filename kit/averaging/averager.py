@@ -113,7 +113,7 @@ class DecentralizedAverager:
         )
         client_mode = self.settings.client_mode
         if client_mode is None and dht is not None and hasattr(dht, "client_mode"):
-            client_mode = dht.client_mode if dht.is_alive() else None
+            client_mode = _cannot_accept(dht) if dht.is_alive() else None
         self._client_mode = bool(client_mode)
         if allow_state_sharing is None:
             allow_state_sharing = not self._client_mode and not self.settings.auxiliary
@@ -172,13 +172,17 @@ class DecentralizedAverager:
 
     @property
     def mode(self) -> AveragingMode:
-        """NODE, CLIENT (accepts no connections) or AUX (aggregates, sends nothing)."""
+        """NODE, CLIENT (aggregates nothing: see ``client_mode``) or AUX (aggregates, sends
+        nothing)."""
         if self._client_mode:
             return AveragingMode.CLIENT
         return AveragingMode.AUX if self.settings.auxiliary else AveragingMode.NODE
 
     @property
     def client_mode(self) -> bool:
+        """Aggregates nothing and never leads (hivemind's meaning): asked so, or the DHT's peer
+        cannot accept connections (``PeerAPI.can_accept``; a client-mode peer behind a NAT it
+        can punch through aggregates)."""
         return self._client_mode
 
     # --- steps --------------------------------------------------------------------------------
@@ -437,6 +441,15 @@ class DecentralizedAverager:
 
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
+
+
+def _cannot_accept(dht: Any) -> bool:
+    """Whether others cannot connect to the DHT's peer directly (``PeerAPI.can_accept``): what
+    makes an averager a client when ``client_mode=None``. Before it runs, the averager only
+    guesses (for ``allow_state_sharing``'s default); ``run_in_background`` then asks its peer."""
+    peer = getattr(getattr(dht, "node", None), "peer", None)
+    can_accept = getattr(peer, "can_accept", None)
+    return not can_accept if isinstance(can_accept, bool) else bool(dht.client_mode)
 
 
 def _settle(control: StepControl, done: concurrent.futures.Future[Any]) -> None:

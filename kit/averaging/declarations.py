@@ -107,7 +107,7 @@ class MemberInfo:
     """What a peer brings to a group (a follower sends it in its join request)."""
 
     peer_id: PeerID
-    client_mode: bool  # accepts no connections: aggregates nothing
+    client_mode: bool  # aggregates nothing, never leads (others cannot connect to it directly)
     auxiliary: bool  # aggregates, but contributes no vector (weight 0)
     weight: float  # this round's weight of its vector (e.g. samples); 0 for auxiliary peers
     bandwidth: float | None  # for load balancing; None = unknown (the group's mean is used)
@@ -123,10 +123,13 @@ class AskLeader:
 
 @dataclasses.dataclass(frozen=True)
 class Release:
-    """Tell these followers the group will not happen here; ``suggested``: who to ask instead."""
+    """Tell these followers the group will not happen here; ``suggested``: who to ask instead.
+    ``reason``: "released" (this peer stops leading), or "misplaced" (it leads another chunk:
+    a follower refused by ``suggested`` may come back)."""
 
     followers: tuple[PeerID, ...]
     suggested: Declaration | None
+    reason: str = "released"
 
 
 @dataclasses.dataclass(frozen=True)

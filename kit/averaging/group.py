@@ -283,8 +283,9 @@ def encode_begin(group: GroupInfo) -> bytes:
     return wire.packb({"code": "begin", "group": group.to_wire()})
 
 
-def encode_release(suggested: Declaration | None) -> bytes:
-    return wire.packb({"code": "released", "suggested": _declaration_to_wire(suggested)})
+def encode_release(suggested: Declaration | None, reason: str = "released") -> bytes:
+    suggestion = _declaration_to_wire(suggested)
+    return wire.packb({"code": "released", "reason": reason, "suggested": suggestion})
 
 
 def decode_leader_message(payload: bytes) -> tuple[str, Refusal | None, Any]:

@@ -2,7 +2,8 @@
 
 Holds the ``Matchmaker`` (a sans-I/O core in the style of h11: ``Phase`` enum, transition table,
 every method takes ``now`` and returns the actions its driver must carry out). The data it
-decides on (``Declaration``, ``MemberInfo``, the actions) is in ``kit.averaging.declarations``.
+decides on (``Declaration``, ``MemberInfo``, the actions) is in ``kit.averaging.declarations``;
+what its search saw and what that says (whom to ask, when to begin) in ``kit.averaging.search``.
 It does not hold the wire format of the group (``kit.averaging.group``) or any I/O (the driver in
 ``kit.averaging.matchmaking_driver``).
 
@@ -16,6 +17,10 @@ How groups form (hivemind's leader/follower protocol, with deterministic chunks 
   once) or its expiration passes with at least ``min_group_size``.
 * A leader that discovers a better leader of its own chunk disbands its followers (pointing
   them to it) and joins it.
+* Views differ while stores land: a peer decides once polls agree on the peers ranked before
+  it (before its chunk's leader, for a peer that cannot lead). A full leader begins only once
+  its own view agreed, and points a follower that its view puts in another chunk to that
+  chunk's leader (once: one that comes back is taken).
 * A peer whose chunk gathered nobody by its expiration asks any other leader, nearest chunks
   first. Nobody waits past its own deadline.
 
@@ -38,13 +43,7 @@ import logging
 import math
 from collections.abc import Iterable
 
-from kit.averaging.chunking import (
-    chunk_leader,
-    chunk_target,
-    ranked_chunks,
-    standing_refusal,
-    unreachable,
-)
+from kit.averaging.chunking import chunk_leader, settle_horizon, unreachable
 from kit.averaging.declarations import (
     MAX_GONE,
     Action,
@@ -58,6 +57,7 @@ from kit.averaging.declarations import (
     Refusal,
     Release,
 )
+from kit.averaging.search import Search
 from kit.errors import LocalProtocolError
 from kit.p2p.identity import PeerID
 
@@ -119,7 +119,7 @@ TRANSITIONS: dict[Phase, dict[Trigger, Phase]] = {
 FINAL_PHASES = (Phase.ASSEMBLED, Phase.FAILED)
 
 
-class Matchmaker:
+class Matchmaker(Search):
     """One peer's search for a group, from ``start`` to ASSEMBLED or FAILED. Pure: no I/O.
 
     Times are DHT times (wall clock shared by peers), passed in as ``now``. ``sharded``: it
@@ -130,33 +130,15 @@ class Matchmaker:
     def __init__(
         self, me: MemberInfo, settings: MatchmakingSettings, *, sharded: bool = False
     ) -> None:
-        self.me = me
-        self.settings = settings
+        super().__init__(me, settings)
         self.sharded = sharded and settings.target_group_size is not None
         self.phase = Phase.IDLE
-        self.expiration = math.inf  # when this peer begins as a leader at the latest
-        self.deadline = math.inf  # when it gives up
-        self.started = math.inf  # when it began looking
-        self.last_join = -math.inf  # when its latest follower joined
-        self.followers: dict[PeerID, MemberInfo] = {}  # in join order
         self.leader: Declaration | None = None  # who it joins or follows
-        self.view: dict[PeerID, Declaration] = {}  # every other peer this search saw declared
-        self.first_view = math.inf  # when a poll first showed a settled view (see observe)
         self._ahead: frozenset[PeerID] | None = None  # who ranks before us, as polled
         self._ahead_since = math.inf  # when a poll last showed someone new ahead of us
-        self.settle_time = 0.0  # how long that must not happen before we decide (the driver's)
         self.invited: set[PeerID] = set()  # chunk-mates told which peers are gone
-        self.refused: dict[PeerID, tuple[float, str]] = {}  # who refused us, when and why
         self.members: tuple[MemberInfo, ...] | None = None  # set when it begins as leader
         self.failure = ""  # why it failed
-
-    @property
-    def can_lead(self) -> bool:
-        return not self.me.client_mode
-
-    @property
-    def declaration(self) -> Declaration:
-        return Declaration(self.me.peer_id, self.expiration, self.me.addresses)
 
     def _move(self, trigger: Trigger) -> None:
         new_phase = TRANSITIONS[self.phase].get(trigger)
@@ -181,31 +163,7 @@ class Matchmaker:
         self.expiration = min(begin, deadline)
         return self.declaration
 
-    # --- choosing a leader ------------------------------------------------------------------
-
-    def _chunks(self) -> tuple[list[list[Declaration]], int]:
-        """This search's view cut into chunks (see ``kit.averaging.chunking``), and our index."""
-        gone = unreachable(self.refused)
-        size = self.settings.target_group_size
-        return ranked_chunks(self.view.values(), self.declaration, gone, size)
-
-    def _refusal(self, now: float, peer_id: PeerID) -> str | None:
-        """Why ``peer_id`` refused us, if that still holds (None: ask it)."""
-        refused = self.refused.get(peer_id)
-        return standing_refusal(refused, now, self.settings.request_timeout)
-
-    def _target(self, now: float, anywhere: bool) -> Declaration | None:
-        """Whom to ask (see ``chunking.chunk_target``); None: lead (or wait)."""
-        chunks, mine = self._chunks()
-        return chunk_target(
-            chunks,
-            mine,
-            self.me.peer_id,
-            can_lead=self.can_lead,
-            anywhere=anywhere,
-            min_group_size=self.settings.min_group_size,
-            refusal=lambda peer_id: self._refusal(now, peer_id),
-        )
+    # --- choosing a leader (whom: ``Search``) --------------------------------------------------
 
     def _ask(self, target: Declaration) -> list[Action]:
         actions: list[Action] = []
@@ -218,37 +176,6 @@ class Matchmaker:
         self.leader = target
         actions.append(AskLeader(target))
         return actions
-
-    def _settled(self) -> float:
-        """When the others had time to find this peer: its expiration, but never less than a
-        request_timeout after its first view of the DHT (when stores and polls are slow, e.g.
-        hundreds of peers on one CPU, the expiration may pass before anyone saw anyone)."""
-        seen = self.first_view + self.settings.request_timeout
-        return max(self.expiration, min(seen, self.deadline - self.settings.request_timeout))
-
-    def _begin_at(self) -> float:
-        """A leader begins with the followers it has (at least min_group_size) at this time;
-        later if peers of its chunk (as it sees it) have not joined yet: they may still be
-        deciding (their stores landed late, so their views settled late). It then waits twice
-        as long as its own view took to settle (views settle at times spread about that much:
-        hundreds of peers sharing one loaded CPU settled from 20 to 90 s, and leaders that
-        waited a fixed time split their chunks in two), and a request_timeout after the latest
-        follower joined."""
-        begin = self._settled()
-        if self.first_view < math.inf and 1 + len(self.followers) < self._chunk_size():
-            timeout = self.settings.request_timeout
-            waited = max(2 * timeout, 2 * (self.first_view - self.started))
-            patient = max(self.first_view + waited, self.last_join + timeout)
-            begin = max(begin, min(patient, self.deadline - timeout))
-        return begin
-
-    def _chunk_size(self) -> int:
-        chunks, mine = self._chunks()
-        return len(chunks[mine])
-
-    def _given_up_on_chunk(self, now: float) -> bool:
-        """Nobody came to this peer although it had time to be found: look anywhere."""
-        return now >= self._settled()
 
     def _reconsider(self, now: float) -> list[Action]:
         """After a poll, a refusal or a lost leader: ask whoever the view says to ask now."""
@@ -263,14 +190,16 @@ class Matchmaker:
             # Only a better leader of this peer's own chunk is worth disbanding for.
             if target is not None and target.rank < self.declaration.rank:
                 return self._ask(target)
-            return self._invitations()
+            return self._misplaced() + self._invitations()
         return []
 
     def _reconsider_in_shard(self, now: float) -> list[Action]:
         """A sharded search looks in its own chunk only; what cannot form there goes to the
         pool (not to other chunks of the shard: those fill with their own peers)."""
-        chunks, mine = self._chunks()
-        chunk, given_up = chunks[mine], self._given_up_on_chunk(now)
+        cut, mine = self._cut()
+        if self._deferred(cut, now):
+            return []
+        chunk, given_up = cut.chunks[mine], self._given_up_on_chunk(now)
         if len(chunk) < self._target_size():
             # The shard's last chunk: more peers may append to it until they all had their
             # matchmaking time; then it goes to the pool as a whole.
@@ -287,9 +216,6 @@ class Matchmaker:
             return self._pool(now)
         return self._invitations()
 
-    def _target_size(self) -> int:
-        return self.settings.target_group_size or 0
-
     def _pool(self, now: float) -> list[Action]:
         """Leave the shard for the pool key: a new search there, ranked by arrival (so that
         the remainders of slow shards append to the pool's chunks, never shift them)."""
@@ -303,9 +229,23 @@ class Matchmaker:
         self.refused.clear()
         self.invited.clear()
         self.first_view, self._ahead, self._ahead_since = math.inf, None, math.inf
+        self.grew = self.polled = math.inf
         self.started, self.last_join = now, -math.inf
         self.expiration = min(now + self.settings.min_matchmaking_time, self.deadline)
         actions.append(Pool(self.declaration))
+        return actions
+
+    def _misplaced(self) -> list[Action]:
+        """Followers that joined before this leader's view settled and belong to another chunk:
+        pointed to its leader (``_their_leader``)."""
+        actions: list[Action] = []
+        for peer_id in list(self.followers):
+            elsewhere = self._their_leader(peer_id)
+            if elsewhere is not None:
+                del self.followers[peer_id]
+                actions.append(Release((peer_id,), elsewhere, "misplaced"))
+        if actions and not self.followers:
+            self._move(Trigger.LAST_FOLLOWER_LEFT)
         return actions
 
     def _invitations(self) -> list[Action]:
@@ -347,23 +287,34 @@ class Matchmaker:
         # The view is every declaration this search has seen: one poll reads a few replicas
         # and may miss stores that have not reached them yet, and peers whose groups formed
         # withdraw while later chunks still form; neither may shift anyone's place.
+        self.polled = now
         for d in declarations:
             if d.peer_id != self.me.peer_id:
+                if d.peer_id not in self.view:
+                    self.grew = now
                 self.view[d.peer_id] = d
-        if self.first_view == math.inf:
-            # Decide on a settled view only: peers ranked before us declared before us, but
-            # their stores may land after ours (hundreds of peers at once). Wait until polls
-            # showed nobody new ahead of us for ``settle_time`` (later peers only append).
-            rank = self.declaration.rank
-            ahead = frozenset(d.peer_id for d in self.view.values() if d.rank < rank)
+        # Decide on a settled view only: peers ranked before us declared before us, but their
+        # stores may land after ours (hundreds of peers at once). Wait until polls showed nobody
+        # new up to our horizon (``chunking.settle_horizon``) for ``settle_time``. A leader
+        # waits too: disbanding for a "better leader" that a partial view puts in its chunk
+        # would hand its followers to another chunk's group. A peer that cannot lead waits like
+        # this for every choice of a leader, not only its first: one it has not seen may show.
+        settling = not self.can_lead and self.phase is Phase.LOOKING
+        if self.first_view == math.inf or settling:
+            horizon = self.declaration.rank
+            if not self.can_lead:
+                cut, mine = self._cut()
+                horizon = settle_horizon(cut.chunks[mine], self.declaration, self.can_lead)
+            ahead = frozenset(d.peer_id for d in self.view.values() if d.rank <= horizon)
+            deciding = self.phase in (Phase.LOOKING, Phase.LEADING)
             if self._ahead is None or not ahead <= self._ahead:
                 self._ahead, self._ahead_since = ahead, now
-                if self.phase is Phase.LOOKING:
+                if deciding:
                     return []
             waiting = not confirms or now - self._ahead_since < self.settle_time
-            if waiting and self.phase is Phase.LOOKING:
+            if waiting and deciding:
                 return []
-            self.first_view = now
+            self.first_view = min(self.first_view, now)
         return self._reconsider(now)
 
     def suggested(self, now: float, declaration: Declaration) -> list[Action]:
@@ -390,6 +341,9 @@ class Matchmaker:
             return Refusal("duplicate"), []
         if target is not None and 1 + len(self.followers) >= target:
             return Refusal("full"), []
+        elsewhere = self._their_leader(member.peer_id)
+        if elsewhere is not None:
+            return Refusal("misplaced", elsewhere), []
         self.followers[member.peer_id] = member
         self.last_join = now
         self._move(Trigger.FOLLOWER_JOINED)
@@ -412,23 +366,29 @@ class Matchmaker:
         self.refused[leader] = (now, refusal.reason)
         self.leader = None
         self._move(Trigger.REFUSED)
-        if refusal.reason == "following" and refusal.suggested is not None:
+        if refusal.reason in ("following", "misplaced") and refusal.suggested is not None:
             # Its leader leads the group forming there: ask it rather than walk its followers.
             return self.suggested(now, refusal.suggested)
         return self._reconsider(now)
 
     def leader_lost(
-        self, now: float, leader: PeerID, suggested: Declaration | None = None
+        self,
+        now: float,
+        leader: PeerID,
+        suggested: Declaration | None = None,
+        reason: str = "released",
     ) -> list[Action]:
         """The leader went away, did not answer in time, or released this follower (pointing
-        it to ``suggested``)."""
+        it to ``suggested``; ``reason``: the ``Release``'s)."""
         if self.leader is None or self.leader.peer_id != leader:
             return []
         if self.phase is Phase.JOINING:
             return self.join_answered(now, leader, Refusal("unreachable"))
         if self.phase is not Phase.FOLLOWING:
             return []
-        self.refused[leader] = (now, "released")
+        # A leader that put us in another chunk's group may take us back; any other release
+        # (whatever the wire says) holds for a request_timeout.
+        self.refused[leader] = (now, "misplaced" if reason == "misplaced" else "released")
         self.leader = None
         self._move(Trigger.LEADER_LOST)
         if suggested is not None:
@@ -465,10 +425,14 @@ class Matchmaker:
         """Begin as leader, look elsewhere, or give up, if it is time."""
         if self.phase is Phase.LEADING:
             size = 1 + len(self.followers)
-            full = self.settings.target_group_size is not None and (
-                size >= self.settings.target_group_size
-            )
             due = now >= self._begin_at()
+            # Full, it begins at once, but not before its view settled: followers that asked
+            # on a partial view of their own may belong to another chunk (``_misplaced``).
+            full = (
+                self.settings.target_group_size is not None
+                and size >= self.settings.target_group_size
+                and (self.first_view < math.inf or due)
+            )
             if due and not full and self.sharded and self._chunk_size() < self._target_size():
                 return self._pool(now)  # the shard's last chunk: its peers meet the others'
             if full or (due and size >= self.settings.min_group_size):

@@ -237,7 +237,7 @@ class MatchmakingDriver:
                 )
                 self._spawn(self._join(self._matchmaker, action.declaration))
             elif isinstance(action, Release):
-                message = encode_release(action.suggested)
+                message = encode_release(action.suggested, action.reason)
                 for follower in action.followers:
                     outcome = self._outcomes.get(follower)
                     if outcome is not None and not outcome.done():
@@ -335,8 +335,11 @@ class MatchmakingDriver:
                 assembled = True
                 self._wake()
                 return
-            suggested = refusal.suggested if refusal is not None else None
-            self._execute(matchmaker.leader_lost(get_dht_time(), leader_id, suggested))
+            released = refusal or Refusal("released")
+            lost = matchmaker.leader_lost(
+                get_dht_time(), leader_id, released.suggested, released.reason
+            )
+            self._execute(lost)
         except (PeerError, KitTimeout) as e:
             logger.debug("%s: leader %s lost: %s", self.prefix, leader_id.short(), e)
             self._execute(matchmaker.leader_lost(get_dht_time(), leader_id))

@@ -42,7 +42,7 @@ class AveragerSettings:
     part_size_bytes: int = DEFAULT_PART_SIZE_BYTES  # bytes of one streamed chunk on the wire
     min_vector_size: int = 0  # a peer whose share would be smaller aggregates nothing
     bandwidth: float | None = None  # bytes/s for load balancing; None: measured from past rounds
-    client_mode: bool | None = None  # True: accepts no connections (aggregates nothing); None: as the DHT's peer
+    client_mode: bool | None = None  # True: aggregates nothing, never leads; None: True unless others can connect to the DHT's peer directly (PeerAPI.can_accept: it listens, or punches through its NAT)
     auxiliary: bool = False  # aggregates for others but contributes no tensors (a helper with bandwidth)
     compression: CompressionBase = dataclasses.field(default_factory=NoCompression)  # codec of every chunk
     lossy_deltas: bool = True  # lossy codec: each sender gets its compressed difference to the average (hivemind); False: one shared average

@@ -8,7 +8,9 @@ plain HTTP on its websocket port, so the dashboard shares the coordinator's addr
   curve and the charts of peers online and samples/s over time (inline SVG), the tiles (peers
   online, samples/s, global step, ETA), the leaderboard, and, when the coordinator serves
   ``/join.ipynb``, the one cell volunteers paste (with a copy button and the notebook to
-  download). Times are human ("updated 12 s ago").
+  download), and, when the coordinator serves ``/api/bans`` (``kit.revocation_admin``: the
+  organizer's bans, public in the DHT anyway), who is banned until when. Times are human
+  ("updated 12 s ago").
 * ``/api/metrics``: ``{"summary": ..., "loss_curve": [...], "history": [...], "run": run_info()}``
   (``history``: peers online and samples/s over time, ``kit.metrics.history``).
 * ``/api/leaderboard``: ``{"leaderboard": [...]}``.

@@ -5,8 +5,12 @@ two NAT'd notebooks cannot find each other). Run this on a machine with a public
 forwarded port, and give its printed address to every volunteer as ``initial_peers``::
 
     kit dht --host 0.0.0.0 --port 31337 --announce /ip4/203.0.113.5/tcp/31337 --identity-path dht.key
+    kit dht --join https://run.example.org --hf-token hf_... --identity-path relay.key
 
 It also relays for client-mode peers (Colab, Kaggle), which register with their initial peers.
+In an allowlisted run, ``--join`` makes it a member that the coordinator hands out to volunteers
+as a relay (``kit.member_relay`` adds that option to this command: it logs in, so it lives
+below ``auth`` and ``remote_run``).
 
 What this module does not do: anything but start, print and wait (the node is ``kit.dht.DHT``).
 """

@@ -40,15 +40,17 @@ def owned_records(value: Any) -> list[tuple[bytes, ContributionRecord]]:
     The DHT has verified each owner signature already; records without exactly one owner
     marker, or malformed, are skipped.
     """
-    return _owned(value, ContributionRecord.from_dict)
+    return owned_values(value, ContributionRecord.from_dict)
 
 
 def owned_attestations(value: Any) -> list[tuple[bytes, AttestationRecord]]:
     """The well-formed records of a ``node.get(attestations_key)`` answer, with their signers."""
-    return _owned(value, AttestationRecord.from_dict)
+    return owned_values(value, AttestationRecord.from_dict)
 
 
-def _owned(value: Any, parse: Callable[[Any], T | None]) -> list[tuple[bytes, T]]:
+def owned_values(value: Any, parse: Callable[[Any], T | None]) -> list[tuple[bytes, T]]:
+    """The entries of a ``node.get`` answer whose subkey has exactly one owner marker, parsed
+    (``parse`` returns None for a malformed one: skipped), each with its owner's public key."""
     records: list[tuple[bytes, T]] = []
     if not isinstance(value, dict):
         return records

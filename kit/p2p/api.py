@@ -63,7 +63,20 @@ class PeerAPI(Protocol):
 
     @property
     def client_mode(self) -> bool:
-        """True if this peer accepts no incoming connections (it is reachable via relays only)."""
+        """True if this peer has no listening socket (behind a NAT: it dials out, and others
+        reach it at relayed addresses, or directly after a hole punch: see ``can_accept``)."""
+        ...
+
+    @property
+    def can_accept(self) -> bool:
+        """True if others can open connections to this peer and exchange bytes with it directly:
+        it listens (public), or it is in client mode behind a NAT it can punch through (a
+        relayed connection is upgraded to a direct one, kit.p2p hole punching).
+
+        The averaging code lets only such peers lead a group and aggregate a part: every other
+        member opens a stream to each aggregator, and through a relay those bytes would load
+        the relay (a public peer) as much as the aggregator itself.
+        """
         ...
 
     def get_visible_addresses(self) -> list[str]:

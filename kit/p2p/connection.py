@@ -92,6 +92,7 @@ class Connection:
         self.remote = remote
         self.remote_peer = remote.peer_id
         self.is_dialer = is_dialer
+        self.relayed = False  # through a relay's circuit (kit.p2p.peer prefers direct ones)
         self.mux = Mux(
             is_dialer=is_dialer,
             limits=limits,

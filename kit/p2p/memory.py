@@ -10,9 +10,9 @@ What is emulated, because code above p2p depends on it:
 * dialing: ``call`` / ``open_stream`` to a peer need an open connection or a known address of it
   (``add_address`` or ``connect``), as on the real network; a connection opened by either side
   can be used by both.
-* client mode: a client-mode peer accepts no dials until it has dialed someone itself. After its
-  first outgoing connection it is reachable by everyone, as if that connection held a relay
-  reservation. (This is coarser than real relaying, on purpose.)
+* NAT (``kit.p2p.memory_nat``): a peer is public, or in client mode behind a punchable or a
+  symmetric NAT, reached through its relay: directly once punched, or relayed (the relay's
+  links carry the bytes). A relay that shuts down breaks the streams it carried.
 * flow control: a stream is two bounded queues of messages; ``send_message`` waits while the
   receiver's queue is full (``kit.p2p.memory_stream``).
 * failures: a shut-down peer raises ``PeerUnavailable`` for new calls and ``ConnectionLost`` for
@@ -21,13 +21,12 @@ What is emulated, because code above p2p depends on it:
   after the given timeout.
 * faults: :meth:`MemoryNetwork.link` gives a :class:`FaultyLink` that drops, refuses or delays
   what is sent to one peer.
-
 * links (optional): a :class:`LinkModel` (``kit.testing.links.SimulatedLinks``) gives every
   message a delivery time from the sender's uplink, the receiver's downlink and their latency;
   on a loop on virtual time (``kit.testing.virtual_time``) that is what simulated peers measure.
   One stream's pipes, windows and delivery times are ``kit.p2p.memory_stream``.
 
-What is not emulated: message loss inside a connection, NAT, authentication.
+What is not emulated: message loss inside a connection, failed punches, authentication.
 """
 
 from __future__ import annotations
@@ -54,35 +53,21 @@ from kit.errors import (
 )
 from kit.p2p.api import DEFAULT_MAX_MESSAGE, StreamHandler, UnaryHandler
 from kit.p2p.identity import Identity, IdentityLock, PeerID, load_identity
+from kit.p2p.memory_nat import (
+    NAT,
+    known_routes,
+    memory_address,
+    nat_kind,
+    parse_memory_address,
+    relayed_memory_address,
+    route,
+)
 from kit.p2p.memory_stream import LinkModel, MemoryStream, MessagePipe, deadline_in, time_left
 
 logger = logging.getLogger(__name__)
 
-MEMORY_SCHEME = "memory://"
 #: Addresses remembered per remote peer; older ones are forgotten first.
 MAX_ADDRESSES_PER_PEER = 8
-
-
-def memory_address(peer_id: PeerID) -> str:
-    """The address of a memory peer: ``memory://<peer id in base58>``."""
-    return MEMORY_SCHEME + peer_id.to_base58()
-
-
-def parse_memory_address(address: str) -> PeerID:
-    """The PeerID named by a ``memory://`` address.
-
-    Raises:
-        ConfigError: ``address`` is not a memory address.
-    """
-    if not isinstance(address, str) or not address.startswith(MEMORY_SCHEME):
-        raise ConfigError(
-            f"{address!r} is not an in-memory peer address - help: addresses of MemoryPeer look "
-            "like memory://<peer id>, take them from peer.get_visible_addresses()"
-        )
-    try:
-        return PeerID.from_base58(address[len(MEMORY_SCHEME) :])
-    except ValueError as e:
-        raise ConfigError(f"{e} - help: copy the address from get_visible_addresses()") from None
 
 
 #: Codes of the ``RemoteError`` a caller gets, as ``kit.p2p.peer`` reports them.
@@ -177,18 +162,22 @@ class MemoryNetwork:
         identity: Identity | None = None,
         identity_path: str | os.PathLike[str] | None = None,
         client_mode: bool | None = None,
+        nat: NAT | str | None = None,
         **options: object,
     ) -> MemoryPeer:
         """Start a peer on this network, with ``kit.p2p.peer.create_peer``'s signature.
 
         It is a ``peer_factory`` for ``kit.dht.DHT`` and tests. ``initial_peers`` and the
         websocket options (``host``, ``port``, ``announce``, ``run_id``, ...) are accepted and
-        ignored; ``client_mode=None`` means False (nothing to detect in memory).
+        ignored; ``client_mode=None`` means False (nothing to detect in memory). ``nat``: how
+        it can be reached (``kit.p2p.memory_nat.nat_kind``).
 
         Raises:
             IdentityInUse: another running peer uses the same identity (file).
+            ConfigError: ``nat`` contradicts ``client_mode``, or is no :class:`NAT`.
         """
         del initial_peers, options  # meaningless in memory
+        kind = nat_kind(nat, client_mode)
         lock: IdentityLock | None = None
         if identity is None and identity_path is not None:
             identity, lock = load_identity(identity_path)
@@ -198,7 +187,7 @@ class MemoryNetwork:
             if lock is not None:
                 lock.release()
             raise IdentityInUse(str(identity_path or identity.peer_id))
-        peer = MemoryPeer(self, identity, client_mode=bool(client_mode), identity_lock=lock)
+        peer = MemoryPeer(self, identity, nat=kind, identity_lock=lock)
         self._peers[peer.peer_id] = peer
         return peer
 
@@ -214,10 +203,16 @@ class MemoryNetwork:
         return self._peers.get(peer_id)
 
     def _unregister(self, peer: MemoryPeer) -> None:
-        if self._peers.get(peer.peer_id) is peer:
-            del self._peers[peer.peer_id]
+        gone = peer.peer_id
+        if self._peers.get(gone) is peer:
+            del self._peers[gone]
         for other in self._peers.values():
-            other._connections.discard(peer.peer_id)
+            other._connections.pop(gone, None)
+            for remote, via in list(other._connections.items()):
+                if via == gone:  # a connection it relayed
+                    del other._connections[remote]
+            if other._relay == gone:
+                other._relay = other._public_connection()
 
 
 class MemoryPeer:
@@ -232,18 +227,19 @@ class MemoryPeer:
         network: MemoryNetwork,
         identity: Identity,
         *,
-        client_mode: bool,
+        nat: NAT = NAT.PUBLIC,
         identity_lock: IdentityLock | None = None,
     ) -> None:
         self.peer_id: PeerID = identity.peer_id
         self.identity = identity
         self.stats: collections.Counter[str] = collections.Counter()
         self._network = network
-        self._client_mode = client_mode
+        self._nat = nat
+        self._relay: PeerID | None = None  # where a client-mode peer registered (a public peer)
         self._identity_lock = identity_lock
         self._running = True
-        self._dialed_out = False
-        self._connections: set[PeerID] = set()
+        self._connections: dict[PeerID, PeerID | None] = {}  # remote -> the relay carrying it
+        self._relayed_streams: weakref.WeakSet[MemoryStream] = weakref.WeakSet()
         self._addresses: dict[PeerID, list[str]] = {}
         self._unary: dict[str, tuple[UnaryHandler, int]] = {}
         self._streaming: dict[str, StreamHandler] = {}
@@ -251,21 +247,35 @@ class MemoryPeer:
         self._streams: weakref.WeakSet[MemoryStream] = weakref.WeakSet()
 
     def __repr__(self) -> str:
-        mode = "client" if self._client_mode else "public"
-        return f"MemoryPeer({self.peer_id.short()}, {mode}, running={self._running})"
+        return f"MemoryPeer({self.peer_id.short()}, {self._nat.value}, running={self._running})"
 
     @property
     def client_mode(self) -> bool:
-        return self._client_mode
+        return self._nat is not NAT.PUBLIC
+
+    @property
+    def can_accept(self) -> bool:
+        return self._nat is not NAT.SYMMETRIC
+
+    @property
+    def nat(self) -> NAT:
+        return self._nat
+
+    @property
+    def relay(self) -> PeerID | None:
+        """The public peer a client-mode peer registered with (None: not yet, or public)."""
+        return self._relay
 
     @property
     def is_running(self) -> bool:
         return self._running
 
     def get_visible_addresses(self) -> list[str]:
-        if not self._running or (self._client_mode and not self._dialed_out):
+        if not self._running:
             return []
-        return [memory_address(self.peer_id)]
+        if self._nat is NAT.PUBLIC:
+            return [memory_address(self.peer_id)]
+        return [] if self._relay is None else [relayed_memory_address(self._relay, self.peer_id)]
 
     def add_address(self, peer_id: PeerID, address: str) -> None:
         if peer_id == self.peer_id:
@@ -309,11 +319,12 @@ class MemoryPeer:
             too_large = FrameTooLarge(f"request of {len(request)} bytes > max_size {max_request}")
             raise _as_remote_error(too_large)
         target.stats[protocol] += 1
-        links = self._network.links
+        links, via = self._network.links, self._connections.get(peer_id)
         if links is None:
             task = target._spawn(handler(self.peer_id, bytes(request)))
         else:
-            task = target._spawn(_over_links(links, self.peer_id, target.peer_id, handler, request))
+            route = (self.peer_id, target.peer_id, via)
+            task = target._spawn(_over_links(links, route, handler, request))
         try:
             done, _ = await asyncio.wait({task}, timeout=time_left(deadline))
         except asyncio.CancelledError:
@@ -340,12 +351,16 @@ class MemoryPeer:
         if handler is None:
             raise UnknownProtocol(UNKNOWN_PROTOCOL, f"{peer_id.short()} serves no {protocol!r}")
         window, links = self._network.stream_window, self._network.links
-        to_target = MessagePipe(window, links, (self.peer_id, peer_id))
-        to_self = MessagePipe(window, links, (peer_id, self.peer_id))
+        via = self._connections.get(peer_id)
+        to_target = MessagePipe(window, links, (self.peer_id, peer_id), via)
+        to_self = MessagePipe(window, links, (peer_id, self.peer_id), via)
         ours = MemoryStream(peer_id, protocol, inbound=to_self, outbound=to_target)
         theirs = MemoryStream(self.peer_id, protocol, inbound=to_target, outbound=to_self)
         self._streams.add(ours)
         target._streams.add(theirs)
+        relay = self._network.get_peer(via) if via is not None else None
+        if relay is not None:  # its shutdown breaks the stream
+            relay._relayed_streams.add(ours)
         target.stats[protocol] += 1
         target._spawn(_serve_stream(handler, theirs))
         return ours
@@ -359,6 +374,8 @@ class MemoryPeer:
         self._connections.clear()
         for stream in list(self._streams):
             stream.fail(ConnectionLost(f"peer {self.peer_id.short()} shut down"))
+        for stream in list(self._relayed_streams):
+            stream.fail(ConnectionLost(f"relay {self.peer_id.short()} shut down"))
         current = asyncio.current_task()
         tasks = [task for task in self._tasks if task is not current]
         for task in tasks:
@@ -383,8 +400,31 @@ class MemoryPeer:
         if not task.cancelled():
             task.exception()  # retrieved here; the caller re-raises it as RemoteError
 
-    def _reachable(self) -> bool:
-        return self._running and (not self._client_mode or self._dialed_out)
+    def _public_connection(self) -> PeerID | None:
+        """A public peer this client-mode peer is directly connected to (a relay), if any."""
+        if self._nat is NAT.PUBLIC:
+            return None
+        for remote, via in self._connections.items():
+            peer = self._network.get_peer(remote)
+            if via is None and peer is not None and peer._nat is NAT.PUBLIC and peer._running:
+                return remote
+        return None
+
+    def _route_to(self, peer_id: PeerID, target: MemoryPeer | None) -> tuple[PeerID | None, bool]:
+        """How a new connection to ``peer_id`` goes: (the relay it goes through or None,
+        whether that relay only coordinates a hole punch).
+
+        Raises:
+            PeerUnavailable: no known address reaches it, it is not running, or its relay is not.
+        """
+        routes = known_routes(peer_id, self._addresses.get(peer_id, []))
+        if target is None:
+            raise PeerUnavailable(f"peer {peer_id.short()} is not running")
+        via, punch = route(peer_id, routes, target._nat, target._relay)
+        relay = self._network.get_peer(via) if via is not None else None
+        if via is not None and (relay is None or not relay._running):
+            raise PeerUnavailable(f"the relay of {peer_id.short()} is not running")
+        return via, punch
 
     async def _dial(self, peer_id: PeerID, deadline: float | None) -> MemoryPeer:
         if not self._running:
@@ -394,22 +434,17 @@ class MemoryPeer:
         if peer_id == self.peer_id:
             raise KitUsageError("a peer cannot dial itself - help: handle local requests locally")
         target = self._network.get_peer(peer_id)
-        if peer_id not in self._connections:
-            addresses = self._addresses.get(peer_id, [])
-            if memory_address(peer_id) not in addresses:
-                raise PeerUnavailable(
-                    f"no known address of {peer_id.short()} - help: add_address() or connect() first"
-                )
-            if target is None:
-                raise PeerUnavailable(f"peer {peer_id.short()} is not running")
-            if not target._reachable():
-                raise PeerUnavailable(f"peer {peer_id.short()} is in client mode (not dialable)")
+        connected = peer_id in self._connections
+        via, punch = None, False
+        if not connected:
+            via, punch = self._route_to(peer_id, target)
         elif target is None:  # pragma: no cover - connections are dropped on shutdown
             raise PeerUnavailable(f"peer {peer_id.short()} is not running")
+        assert target is not None
         await self._network.link(peer_id).apply(peer_id, deadline)
         links = self._network.links
-        if links is not None and peer_id not in self._connections:
-            delay = links.connect_delay(self.peer_id, peer_id)
+        if links is not None and not connected:
+            delay = links.connect_delay(self.peer_id, peer_id, via, punch)
             remaining = time_left(deadline)
             if remaining is not None and remaining < delay:
                 await asyncio.sleep(remaining)
@@ -417,9 +452,14 @@ class MemoryPeer:
             await asyncio.sleep(delay)
         if not target._running:
             raise ConnectionLost(f"peer {peer_id.short()} shut down while being dialed")
-        self._connections.add(peer_id)
-        target._connections.add(self.peer_id)
-        self._dialed_out = True
+        if peer_id not in self._connections:  # (another dial may have connected meanwhile)
+            if via is not None and self._network.get_peer(via) is None:
+                raise ConnectionLost(f"the relay of {peer_id.short()} shut down while dialing")
+            route = None if punch else via
+            self._connections[peer_id] = route
+            target._connections[self.peer_id] = route
+        for peer in (self, target):  # a client-mode peer registers with a public peer it reached
+            peer._relay = peer._relay or peer._public_connection()
         return target
 
 
@@ -428,15 +468,20 @@ async def _await(work: Awaitable[Any]) -> Any:
 
 
 async def _over_links(
-    links: LinkModel, caller: PeerID, callee: PeerID, handler: UnaryHandler, request: bytes
+    links: LinkModel,
+    route: tuple[PeerID, PeerID, PeerID | None],
+    handler: UnaryHandler,
+    request: bytes,
 ) -> Any:
-    """A unary call whose request and response take the time the links give them."""
+    """A unary call whose request and response take the time the links give them (``route``:
+    caller, callee, and the relay between them or None)."""
+    caller, callee, via = route
     loop = asyncio.get_running_loop()
-    _, arrives_at = links.transmit(caller, callee, len(request), loop.time())
+    _, arrives_at = links.transmit(caller, callee, len(request), loop.time(), via)
     await asyncio.sleep(max(0.0, arrives_at - loop.time()))
     response = await handler(caller, bytes(request))
     if isinstance(response, bytes | bytearray | memoryview):
-        _, arrives_at = links.transmit(callee, caller, len(response), loop.time())
+        _, arrives_at = links.transmit(callee, caller, len(response), loop.time(), via)
         await asyncio.sleep(max(0.0, arrives_at - loop.time()))
     return response
 

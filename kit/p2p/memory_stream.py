@@ -9,7 +9,8 @@ depends on it:
   full: the stream's window, in messages;
 * delivery times: with a :class:`LinkModel` (``kit.testing.links.SimulatedLinks``) a message
   is in flight until the time the sender's uplink, the receiver's downlink and their latency
-  give it, and end-of-stream follows the last message;
+  give it (and, on a relayed connection, the relay's links both ways), and end-of-stream
+  follows the last message;
 * failures: a reset or a broken peer fails both directions at once, and every wait ends with
   ``KitTimeout`` after the given timeout.
 
@@ -44,12 +45,16 @@ class LinkModel(Protocol):
     """When what one in-memory peer sends another gets there (see ``kit.testing.links``)."""
 
     def transmit(
-        self, sender: PeerID, receiver: PeerID, nbytes: int, now: float
+        self, sender: PeerID, receiver: PeerID, nbytes: int, now: float, via: PeerID | None = None
     ) -> tuple[float, float]:
-        """(loop time the sender's uplink is done with the message, loop time it arrives)."""
+        """(loop time the sender's uplink is done with the message, loop time it arrives);
+        ``via``: the relay that carries it (it receives and sends every byte)."""
 
-    def connect_delay(self, dialer: PeerID, target: PeerID) -> float:
-        """Seconds a new connection takes before its first message (handshakes)."""
+    def connect_delay(
+        self, dialer: PeerID, target: PeerID, via: PeerID | None = None, punch: bool = False
+    ) -> float:
+        """Seconds a new connection takes before its first message (handshakes): direct, or
+        through the relay ``via``, or (``punch``) coordinated through ``via``, then direct."""
 
 
 class MessagePipe:
@@ -64,10 +69,11 @@ class MessagePipe:
         window: int,
         links: LinkModel | None = None,
         route: tuple[PeerID, PeerID] | None = None,
+        via: PeerID | None = None,
     ) -> None:
         self._items: collections.deque[bytes] = collections.deque()
         self._window = window
-        self._links, self._route = links, route
+        self._links, self._route, self._via = links, route, via
         self._in_flight = 0
         self._closing = False
         self._closed = False
@@ -107,7 +113,7 @@ class MessagePipe:
             return
         loop = asyncio.get_running_loop()
         now = loop.time()
-        sent_at, arrives_at = self._links.transmit(*self._route, len(data), now)
+        sent_at, arrives_at = self._links.transmit(*self._route, len(data), now, self._via)
         self._in_flight += 1
         loop.call_at(arrives_at, self._arrive, data)
         if sent_at > now:  # the sender's uplink is busy with it (a full socket buffer)

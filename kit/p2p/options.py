@@ -11,7 +11,9 @@ from __future__ import annotations
 import ssl
 from dataclasses import dataclass, field
 
+from kit.address import AddressError
 from kit.errors import ConfigError
+from kit.p2p.interfaces import announced_address
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ class PeerOptions:
     )
     host: str = "127.0.0.1"  # where to listen; "0.0.0.0" = every interface (public peers)
     port: int = 0  # 0 = any free port
-    announce: tuple[str, ...] = ()  # addresses others should dial, if not the listening one
+    announce: tuple[str, ...] = ()  # what others dial, if not where it listens; bare host: + port
     client_mode: bool | None = False  # True = no listening socket (NAT); None = detect by dial-back
     relay_service: bool = False  # relay streams for client-mode peers (public peers, coordinators)
     relays: tuple[
@@ -84,6 +86,7 @@ class PeerOptions:
     idle_timeout: float = 300.0  # close connections without streams for this long (0 = never)
     frame_auth: bool = False  # MAC every frame (on by itself with a private-run authorizer)
     fast_framing: bool = True  # kit's own zero-copy websocket framing after the upgrade (2x faster)
+    hole_punching: bool = True  # upgrade relayed connections to direct ones (kit.p2p.hole_punch)
 
     def __post_init__(self) -> None:
         if self.buffer_budget < self.limits.connection_buffer:
@@ -100,3 +103,8 @@ class PeerOptions:
                 f"RelayLimits.buffer_budget ({relay.buffer_budget}). help: raise buffer_budget "
                 "(default 2 GiB) or peer_buffer (default 256 MiB)"
             )
+        for text in self.announce:  # a typo fails here, before any socket opens
+            try:
+                announced_address(text, self.port or 1, False)
+            except AddressError as e:
+                raise ConfigError(f"PeerOptions.announce: {e}") from None

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
@@ -33,7 +34,7 @@ from kit.errors import (
     PeerUnavailable,
     RemoteProtocolError,
 )
-from kit.p2p import reachability, relay, transport
+from kit.p2p import hole_punch, interfaces, reachability, relay, transport
 from kit.p2p.admission import accept_over, admit, dial_over, handshake_settings
 from kit.p2p.api import DEFAULT_MAX_MESSAGE, StreamHandler, UnaryHandler
 from kit.p2p.budget import BufferLedger
@@ -77,6 +78,8 @@ class Peer:
         self._closing = False
         self.relay_client: relay.RelayClient | None = None  # in client mode
         self.relay_service: relay.RelayService | None = None  # on relays
+        self.puncher: hole_punch.HolePuncher | None = None  # relayed -> direct connections
+        self._punch_socket: socket.socket | None = None  # holds the punch port (client mode)
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -87,6 +90,8 @@ class Peer:
         if self.options.relay_service:
             self.relay_service = relay.RelayService(self, self.options.relay_limits)
         reachability.serve_dialback(self)
+        if self.options.hole_punching and hole_punch.supported():
+            self.puncher = hole_punch.HolePuncher(self)
         if self.options.idle_timeout > 0:
             self.spawn(self._close_idle_connections(), "idle-pruning")
         if not self._client_mode:
@@ -98,6 +103,13 @@ class Peer:
                 await self._stop_listening()
                 self._client_mode = True
         if self._client_mode:
+            if self.puncher is not None:
+                # Every outbound connection leaves from one port from now on, so that relays
+                # see (and tell us) the one public port our NAT gives it (kit.p2p.hole_punch).
+                # The dial-back probe's connections left from others: they go.
+                self._punch_socket = hole_punch.reuse_port_socket("0.0.0.0", 0)
+                for connection in list(self._all_connections):
+                    connection.close(Refusal.SHUTDOWN, "reconnecting from the punch port")
             relays = list(self.options.relays) or list(initial_peers)
             self.relay_client = client = relay.RelayClient(self, relays)
             await client.start()
@@ -133,6 +145,8 @@ class Peer:
         for connection in connections:
             connection.close(Refusal.SHUTDOWN, "peer shutting down")
         await self._stop_listening()
+        if self._punch_socket is not None:
+            self._punch_socket.close()
         if connections:
             await asyncio.wait(
                 [asyncio.ensure_future(c.wait_closed(2.0)) for c in connections], timeout=3.0
@@ -155,13 +169,34 @@ class Peer:
     def client_mode(self) -> bool:
         return self._client_mode
 
+    @property
+    def can_accept(self) -> bool:
+        """Others can connect to it directly (PeerAPI): it listens; or, in client mode, relays
+        see it at a public port and its relayed connections are upgraded by hole punching
+        (``kit.p2p.hole_punch``), unless its punches keep failing (a symmetric NAT)."""
+        if not self._client_mode:
+            return True
+        puncher = self.puncher
+        return puncher is not None and bool(self.observed_endpoints()) and not puncher.hopeless
+
+    @property
+    def punch_port(self) -> int | None:
+        """The local port every outbound connection of a client-mode peer leaves from."""
+        sock = self._punch_socket
+        return None if sock is None else int(sock.getsockname()[1])
+
+    def observed_endpoints(self) -> list[tuple[str, int]]:
+        """Where relays see our connections come from (our NAT's public side), newest first."""
+        client = self.relay_client
+        return list(client.observed) if client is not None and self._punch_socket else []
+
     def get_visible_addresses(self) -> list[str]:
         if self._client_mode:
             client = self.relay_client
             return [str(a) for a in client.relayed_addresses()] if client is not None else []
-        if self.options.announce:
-            return [str(self._with_own_id(parse_address(a))) for a in self.options.announce]
-        return [str(a) for a in self._listener.addresses]
+        # A wildcard listener hands out its interfaces' addresses, never 0.0.0.0 (kit.p2p.interfaces).
+        addresses = interfaces.visible_addresses(self._listener.addresses, self.options.announce)
+        return [str(self._with_own_id(a)) for a in addresses]
 
     def _with_own_id(self, address: Address) -> Address:
         return address if address.peer_id is not None else address.with_peer_id(self.peer_id)
@@ -278,15 +313,17 @@ class Peer:
     async def _dial(self, address: Address, timeout: float) -> PeerID:
         if self._closing:
             raise PeerUnavailable("this peer is shutting down")
-        if address.relay is not None:
+        relayed = address.relay is not None
+        if relayed:
             channel: Channel = await relay.open_relayed_channel(self, address, timeout)
         else:
             channel = await transport.dial(
-                address, self.options, min(timeout, self.options.dial_timeout)
+                address,
+                self.options,
+                min(timeout, self.options.dial_timeout),
+                local_port=self.punch_port,
             )
-        settings = handshake_settings(
-            self.options, self.authorizer, relayed=address.relay is not None
-        )
+        settings = handshake_settings(self.options, self.authorizer, relayed=relayed)
         channel, remote = await dial_over(
             channel,
             self.identity,
@@ -295,10 +332,53 @@ class Peer:
             expected_peer=address.peer_id,
             timeout=min(timeout, self.options.handshake_timeout),
         )
-        self._register(channel, remote, is_dialer=True)
-        if address.relay is None or address.peer_id is None:
+        self._register(channel, remote, is_dialer=True, relayed=relayed)
+        if not relayed or address.peer_id is None:
             self.add_address(remote.peer_id, address)
+        elif self.puncher is not None:  # try for a direct connection, in the background
+            self.spawn(self.puncher.upgrade(remote.peer_id), f"upgrade-{remote.peer_id.short()}")
         return remote.peer_id
+
+    async def dial_direct(self, address: Address, *, timeout: float) -> PeerID:
+        """Dial ``address`` although a connection to its peer exists: a direct connection to
+        replace a relayed one (connection reversal, ``kit.p2p.hole_punch``)."""
+        if address.relay is not None:
+            raise KitUsageError(f"{address} is relayed: dial_direct takes a direct address")
+        return await wait_bounded(self._dial(address, timeout), timeout, f"dialing {address}")
+
+    async def adopt_direct(
+        self, channel: Channel, *, is_dialer: bool, expected_peer: PeerID, timeout: float
+    ) -> None:
+        """Run the handshake on a direct channel to a peer we reach through a relay (a punched
+        socket: ``kit.p2p.hole_punch``), and register it in place of the relayed connection.
+
+        Raises:
+            PeerError / AuthError / KitTimeout: the handshake failed (the channel is closed).
+        """
+        settings = handshake_settings(self.options, self.authorizer)
+        try:
+            if is_dialer:
+                channel, remote = await dial_over(
+                    channel,
+                    self.identity,
+                    settings,
+                    self.authorizer,
+                    expected_peer=expected_peer,
+                    timeout=timeout,
+                )
+            else:
+                channel, remote = await accept_over(
+                    channel, self.identity, settings, self.authorizer, timeout=timeout
+                )
+                if remote.peer_id != expected_peer:
+                    raise RemoteProtocolError(
+                        f"a punched connection answered as {remote.peer_id.short()}, "
+                        f"not {expected_peer.short()}"
+                    )
+        except BaseException:
+            await channel.close()
+            raise
+        self._register(channel, remote, is_dialer=is_dialer, relayed=False)
 
     async def probe(self, address: Address, timeout: float) -> None:
         """Dial ``address`` and run the handshake as a reachability probe, then hang up: the
@@ -334,7 +414,7 @@ class Peer:
         )
         if admitted is None:  # refused (logged), or a reachability probe (answered)
             return
-        connection = self._register(*admitted, is_dialer=False)
+        connection = self._register(*admitted, is_dialer=False, relayed=False)
         await connection.wait_closed(timeout=None)
 
     async def accept_channel(self, channel: Channel) -> None:
@@ -346,10 +426,12 @@ class Peer:
             self.authorizer,
             timeout=self.options.handshake_timeout,
         )
-        connection = self._register(channel, remote, is_dialer=False)
+        connection = self._register(channel, remote, is_dialer=False, relayed=True)
         await connection.wait_closed(timeout=None)
 
-    def _register(self, channel: Channel, remote: RemoteHello, *, is_dialer: bool) -> Connection:
+    def _register(
+        self, channel: Channel, remote: RemoteHello, *, is_dialer: bool, relayed: bool
+    ) -> Connection:
         connection = Connection(
             channel,
             remote,
@@ -359,17 +441,23 @@ class Peer:
             on_closed=self._forget_connection,
             ledger=self.buffer_ledger,
         )
+        connection.relayed = relayed
         self._all_connections.add(connection)
         if self._closing:
             connection.close(Refusal.SHUTDOWN, "peer shutting down")
             return connection
         existing = self.connection(remote.peer_id)
         if existing is not None:
-            # Both sides dialed at once. Keep the connection dialed by the smaller PeerID: both
-            # sides decide the same without talking, and the loser drains instead of breaking.
+            # A direct connection replaces a relayed one (hole punching, connection reversal):
+            # the relayed one drains, its streams finish, and the relay carries no more.
+            # Else both sides dialed at once: keep the connection dialed by the smaller PeerID,
+            # as both sides decide without talking; the loser drains instead of breaking.
             dialer_of_new = self.peer_id if is_dialer else remote.peer_id
             smaller = min(self.peer_id, remote.peer_id)
-            if dialer_of_new != smaller and existing.is_dialer == (self.peer_id == smaller):
+            loses = dialer_of_new != smaller and existing.is_dialer == (self.peer_id == smaller)
+            if relayed != existing.relayed:
+                loses = relayed
+            if loses:
                 connection.close_when_idle()
                 return connection
             existing.close_when_idle()

@@ -179,7 +179,11 @@ class RelayService:
             return
         self._registered[client] = stream
         addresses = self.peer.get_visible_addresses()
-        await stream.send_message(wire.packb({"ok": True, "addresses": addresses}))
+        answer: dict[str, object] = {"ok": True, "addresses": addresses}
+        observed = observed_endpoint(stream)
+        if observed is not None:  # where the client's NAT shows it (kit.p2p.hole_punch)
+            answer["observed"] = [observed[0], observed[1]]
+        await stream.send_message(wire.packb(answer))
         logger.info("relaying for %s", client.short())
         try:
             # The registration lasts as long as this stream: the client holds it open.
@@ -282,6 +286,18 @@ class RelayService:
             await asyncio.sleep(delay)
 
 
+def observed_endpoint(stream: Stream) -> tuple[str, int] | None:
+    """The IP address and port the remote end of ``stream``'s connection is seen at here (its
+    NAT's public side, for a peer behind one); None for a relayed or unknown connection."""
+    channel = getattr(stream.connection, "channel", None)
+    host = getattr(channel, "remote_host", None)
+    described = getattr(channel, "remote_address", "")
+    if not isinstance(host, str) or not isinstance(described, str):
+        return None
+    _, _, port = described.rpartition(":")
+    return (host, int(port)) if port.isdigit() and 0 < int(port) < 65536 else None
+
+
 class RelayClient:
     """The client-mode side: registrations with relays, failover, and incoming circuits."""
 
@@ -293,6 +309,8 @@ class RelayClient:
         self.wanted = wanted  # registrations kept at once: one spare for failover
         self.retry_interval = retry_interval
         self._registrations: dict[PeerID, tuple[Address, Stream]] = {}
+        # Where relays see our connections come from (our NAT's public side), newest first.
+        self.observed: list[tuple[str, int]] = []
         self._changed = asyncio.Event()
         self._supervisor: asyncio.Task[Any] | None = None
         peer.add_stream_handler(INCOMING, self._serve_incoming)  # type: ignore[arg-type]
@@ -356,8 +374,21 @@ class RelayClient:
                 stream.reset(ResetCode.CANCELLED, "refused")
                 continue
             self._registrations[relay_id] = (address.with_peer_id(relay_id), stream)
+            self._note_observed(answer.get("observed"))
             self.peer.spawn(self._watch(relay_id, stream), f"relay-{relay_id.short()}")
             logger.info("%s reachable via relay %s", self.peer.peer_id.short(), relay_id.short())
+
+    def _note_observed(self, value: object) -> None:
+        if (
+            isinstance(value, list)
+            and len(value) == 2
+            and isinstance(value[0], str)
+            and len(value[0]) <= 64
+            and isinstance(value[1], int)
+            and 0 < value[1] < 65536
+        ):
+            endpoint = (value[0], value[1])
+            self.observed = [endpoint] + [e for e in self.observed if e != endpoint][:3]
 
     async def _watch(self, relay_id: PeerID, stream: Stream) -> None:
         try:

@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import http
 import logging
+import socket
 import ssl
 import urllib.parse
+import urllib.request
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +50,7 @@ from kit.errors import (
 )
 from kit.p2p.channel import refuse, websocket_max_size
 from kit.p2p.connection import Channel
+from kit.p2p.hole_punch import reuse_port_socket
 from kit.p2p.identity import PeerID
 from kit.p2p.options import PeerOptions
 from kit.p2p.stream import Message, message_bytes, wait_bounded
@@ -130,15 +134,29 @@ def _describe(error: ConnectionClosed) -> str:
 # --- dialing ----------------------------------------------------------------------------------
 
 
-async def dial(address: Address, options: PeerOptions, timeout: float) -> Channel:
+async def dial(
+    address: Address, options: PeerOptions, timeout: float, *, local_port: int | None = None
+) -> Channel:
     """Open a websocket to ``address.url`` and return it as a channel (taken over by kit's
     framing unless ``options.fast_framing`` is off).
+
+    ``local_port``: leave from this port, shared with other sockets (``SO_REUSEPORT``): a
+    client-mode peer's punch port, so that its NAT shows every peer one mapping
+    (``kit.p2p.hole_punch``). Where that cannot be (a proxy in the way, the port busy towards
+    this address), the connection leaves from any port.
 
     Raises:
         PeerUnavailable: nothing answers there, or not with a websocket.
         MalformedFrame: the listener sent frames before the dialer's HELLO.
     """
     ssl_context = (options.client_ssl or ssl.create_default_context()) if address.secure else None
+    connection_options: dict[str, Any] = {}
+    if local_port is not None and not _proxied():
+        sock = await _from_port(address, local_port, timeout)
+        if sock is not None:
+            connection_options["sock"] = sock
+            if ssl_context is not None:
+                connection_options["server_hostname"] = address.host
     try:
         websocket = await websockets.asyncio.client.connect(
             address.url,
@@ -151,9 +169,11 @@ async def dial(address: Address, options: PeerOptions, timeout: float) -> Channe
             ping_timeout=options.keepalive_timeout,
             ssl=ssl_context,
             logger=WEBSOCKETS_LOG,
-            **_proxy_options(address),
+            **(connection_options or _proxy_options(address)),
         )
     except (OSError, EOFError, InvalidHandshake, InvalidURI, asyncio.TimeoutError) as e:
+        if "sock" in connection_options:
+            connection_options["sock"].close()
         # (websockets 13 lets EOFError out when the remote side hangs up mid-upgrade.)
         raise PeerUnavailable(
             f"cannot open a websocket to {address.url}: {type(e).__name__}: {e}"
@@ -169,6 +189,41 @@ async def dial(address: Address, options: PeerOptions, timeout: float) -> Channe
         with contextlib.suppress(Exception):
             await asyncio.wait_for(websocket.close(), 1.0)
         raise
+
+
+def _proxied() -> bool:
+    """An HTTP(S) proxy is configured: connections go through it (no punch port then)."""
+    return any(name in urllib.request.getproxies() for name in ("http", "https", "all"))
+
+
+async def _from_port(address: Address, local_port: int, timeout: float) -> socket.socket | None:
+    """A TCP connection to ``address`` from ``local_port`` (None: that cannot be done here)."""
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await asyncio.wait_for(
+            loop.getaddrinfo(address.host, address.port, type=socket.SOCK_STREAM), timeout
+        )
+    except (OSError, asyncio.TimeoutError):
+        return None  # the plain dial reports it
+    for *_, where in infos:
+        try:
+            sock = reuse_port_socket(str(where[0]), local_port)
+        except OSError:
+            continue
+        try:
+            await asyncio.wait_for(loop.sock_connect(sock, where[:2]), timeout)
+        except OSError as e:
+            sock.close()
+            if e.errno in (errno.EADDRNOTAVAIL, errno.EADDRINUSE):
+                # Our port's last connection there is still in TIME_WAIT: any port will do.
+                logger.debug("dialing %s from port %d: %s", address, local_port, e)
+                return None
+            raise PeerUnavailable(f"cannot connect to {address}: {e}") from None
+        except asyncio.TimeoutError:
+            sock.close()
+            raise PeerUnavailable(f"cannot connect to {address}: timed out") from None
+        return sock
+    return None
 
 
 def _take_over(

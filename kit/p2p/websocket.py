@@ -303,6 +303,17 @@ class FastWebSocketChannel(asyncio.BufferedProtocol):
         """Bytes written but not yet handed to the kernel (for memory accounting)."""
         return int(self._transport.get_write_buffer_size())
 
+    def feed(self, data: bytes) -> None:
+        """Parse bytes that arrived before this channel took its transport over (what a punched
+        socket received first: ``kit.p2p.hole_punch``), as if the transport had delivered them."""
+        view = memoryview(data)
+        while view:
+            target = self.get_buffer(len(view))
+            size = min(len(target), len(view))
+            target[:size] = view[:size]
+            self.buffer_updated(size)
+            view = view[size:]
+
     # --- asyncio.BufferedProtocol ------------------------------------------------------
 
     def get_buffer(self, sizehint: int) -> memoryview:

@@ -111,6 +111,10 @@ class HostSpec:
     name: str  # how tests refer to it, e.g. "relay" or "alice"
     nat: bool = False  # behind a NAT: outbound connections only, nobody can dial it
     shape: LinkShape | None = None  # None = unshaped (veth speed)
+    home_router: bool = False  # nat: behind a home router of its own (own public address)
+    global_address: str | None = (
+        None  # public host: also this global-scope IP (a server's public IP), routed by the router
+    )
 
 
 @dataclass(frozen=True)
@@ -122,11 +126,14 @@ class Host:
     address: str  # its own address (private 10.231.<100+j>.2 for a NAT'd host)
     nat: bool
     shape: LinkShape | None
+    gateway: str | None = None  # a home router's public address (HostSpec.home_router)
 
     @property
     def public_address(self) -> str:
-        """The address a public peer sees connections from: the router's, for a NAT'd host."""
-        return ROUTER_ADDRESS if self.nat else self.address
+        """The address a public peer sees connections from: the NAT's, for a NAT'd host."""
+        if not self.nat:
+            return self.address
+        return self.gateway or ROUTER_ADDRESS
 
 
 def check_available() -> None:
@@ -292,12 +299,20 @@ class NetSim:
             self._sh(self.router, "echo 1 > /proc/sys/net/ipv4/ip_forward")
             public, nat = 0, 0
             for index, spec in enumerate(self.specs):
-                if spec.nat:
+                if spec.nat and spec.home_router:
+                    self._add_home_router_host(index, nat, spec)
+                    nat += 1
+                elif spec.nat:
                     self._add_nat_host(index, nat, spec)
                     nat += 1
                 else:
                     self._add_public_host(index, public, spec)
                     public += 1
+            for spec in self.specs:
+                for other in self.hosts.values():
+                    if spec.global_address and not other.nat and other.name != spec.name:
+                        route = f"ip route add {spec.global_address}/32 via {ROUTER_ADDRESS}"
+                        self._sh(other.netns, route)
             self._sh(self.router, "nft -f -", stdin=self._nat_ruleset())
         except BaseException:
             self.down()
@@ -342,6 +357,11 @@ class NetSim:
         if self.congctl:
             route = f"{PUBLIC_LAN}.0/24 dev eth0 proto kernel scope link src {address}"
             self._sh(netns, f"ip route replace {route}{self.congctl}")
+        if spec.global_address is not None:
+            # On the host's interface, as a server's public IP is; the router (every NAT'd
+            # host's gateway) routes it; the other public hosts reach it through the router.
+            self._sh(netns, f"ip addr add {spec.global_address}/32 dev eth0")
+            self._sh(self.router, f"ip route add {spec.global_address}/32 via {address}")
         self.hosts[spec.name] = Host(spec.name, netns, address, False, spec.shape)
 
     def _add_nat_host(self, index: int, nat_index: int, spec: HostSpec) -> None:
@@ -352,6 +372,64 @@ class NetSim:
         self._sh(netns, f"ip addr add {lan}.2/24 dev eth0 && ip link set eth0 up")
         self._sh(netns, f"ip route add default via {lan}.1{self.congctl}")
         self.hosts[spec.name] = Host(spec.name, netns, f"{lan}.2", True, spec.shape)
+
+    def _add_home_router_host(self, index: int, nat_index: int, spec: HostSpec) -> None:
+        """A NAT'd host behind a home router of its own: a namespace with a WAN end on the
+        public bridge (10.231.0.<150+j>) and a LAN end to the host (10.231.<100+j>.1), which
+        masquerades the host behind its WAN address and drops what nobody inside asked for, as
+        home routers do (``_home_router_ruleset``). Two such hosts are behind two NATs: a
+        connection between them needs both to open it at once (hole punching)."""
+        gateway = f"{self.tag}-g{nat_index}"
+        self._add_namespace(gateway)
+        wan_end, wan = f"w{nat_index}", f"{PUBLIC_LAN}.{150 + nat_index}"
+        self._run(
+            ["ip", "link", "add", wan_end, "netns", self.router, "type", "veth"]
+            + ["peer", "name", "wan", "netns", gateway]
+        )
+        self._sh(self.router, f"ip link set {wan_end} master br0 && ip link set {wan_end} up")
+        self._sh(gateway, f"ip addr add {wan}/24 dev wan && ip link set wan up")
+        netns = f"{self.tag}-h{index}"
+        self._add_namespace(netns)
+        self._run(
+            ["ip", "link", "add", "lan", "netns", gateway, "type", "veth"]
+            + ["peer", "name", "eth0", "netns", netns]
+        )
+        lan = f"10.231.{100 + nat_index}"
+        self._sh(gateway, f"ip addr add {lan}.1/24 dev lan && ip link set lan up")
+        self._sh(gateway, "echo 1 > /proc/sys/net/ipv4/ip_forward")
+        self._sh(netns, f"ip addr add {lan}.2/24 dev eth0 && ip link set eth0 up")
+        self._sh(netns, f"ip route add default via {lan}.1{self.congctl}")
+        if spec.shape is not None:
+            tbf = " ".join(spec.shape.tbf_arguments())
+            self._sh(netns, f"tc qdisc add dev eth0 root {tbf}")  # upload
+            self._sh(gateway, f"tc qdisc add dev lan root {tbf}")  # download
+        self._sh(gateway, "nft -f -", stdin=self._home_router_ruleset())
+        self.hosts[spec.name] = Host(spec.name, netns, f"{lan}.2", True, spec.shape, wan)
+
+    @staticmethod
+    def _home_router_ruleset() -> str:
+        # Masquerade keeps the host's source port where it is free (endpoint-independent
+        # mapping, as most home routers and cloud NATs do); inbound, only what conntrack knows
+        # passes (address- and port-dependent filtering): a connection opened from inside, or a
+        # SYN that arrives while the host's own SYN to that same address and port is out (TCP
+        # simultaneous open). Anything else addressed to the router is dropped, not refused.
+        return (
+            "table ip home {\n"
+            "  chain postrouting {\n"
+            "    type nat hook postrouting priority srcnat;\n"
+            '    oifname "wan" masquerade\n'
+            "  }\n"
+            "  chain forward {\n"
+            "    type filter hook forward priority filter; policy drop;\n"
+            "    ct state established,related accept\n"
+            '    iifname "lan" oifname "wan" accept\n'
+            "  }\n"
+            "  chain input {\n"
+            "    type filter hook input priority filter; policy accept;\n"
+            '    iifname "wan" ct state new drop\n'
+            "  }\n"
+            "}\n"
+        )
 
     @staticmethod
     def _nat_ruleset() -> str:

@@ -28,6 +28,7 @@ from kit.dht import DHT
 from kit.dht.node import DHTConfig, DHTNode
 from kit.errors import ConfigError
 from kit.p2p.memory import MemoryNetwork
+from kit.p2p.memory_nat import NAT
 from kit.p2p.peer import create_peer
 from kit.runtime import Runtime
 from tests.conftest import MS
@@ -125,6 +126,50 @@ async def test_step_gives_the_exact_weighted_mean(
         assert len({r.group_id for r in results}) == 1
         stats = averagers[0].statistics()
         assert stats["full_rounds"] == 1 and stats["last_round"]["group_size"] == n
+    finally:
+        await stop(averagers)
+
+
+async def test_peers_behind_punchable_nats_lead_and_aggregate_symmetric_ones_never() -> None:
+    """The averaging role follows ``can_accept``, not ``client_mode``: a client-mode peer that
+    others reach after a hole punch leads and aggregates like a public one (it declares its
+    relayed address); one behind a symmetric NAT (relayed only) aggregates nothing; an explicit
+    client_mode=True (hivemind's meaning) still aggregates nothing."""
+    network = MemoryNetwork()
+    kinds = [NAT.PUBLIC, NAT.PUNCHABLE, NAT.PUNCHABLE, NAT.SYMMETRIC, NAT.SYMMETRIC, NAT.PUNCHABLE]
+    created = iter(kinds)
+
+    async def factory(initial: Sequence[str], client_mode: bool) -> Any:
+        return await network.create_peer(initial, nat=next(created))
+
+    averagers = await start(factory, 5, target_group_size=6)
+    initial = averagers[0].peer.get_visible_addresses()
+    node = await DHTNode.create(await factory(initial, True), initial, config=FAST)
+    told = settings(client_mode=True, target_group_size=6)  # punchable, but asked not to
+    averagers.append(await AsyncAverager.create(tensors_of(5), node, told))
+    try:
+        assert [a.client_mode for a in averagers] == [False, False, False, True, True, True]
+        assert [a.peer.client_mode for a in averagers] == [False] + [True] * 5
+        assert (
+            averagers[1]
+            .peer.get_visible_addresses()[0]
+            .startswith(averagers[0].peer.get_visible_addresses()[0] + "/p2p-circuit/")
+        )
+        results = await asyncio.gather(*(a.step(weight=1.0 + i) for i, a in enumerate(averagers)))
+        index = {a.peer.peer_id: i for i, a in enumerate(averagers)}
+        expected = mean_of(range(6), [1.0 + i for i in range(6)])
+        for averager, result in zip(averagers, results, strict=True):
+            assert isinstance(result, RoundResult) and result.is_full and len(result) == 6
+            assert index[result.peers[0]] in (0, 1, 2)  # the leader can accept connections
+            aggregating = {
+                index[p] for p, n in zip(result.peers, result.plan.part_sizes, strict=True) if n
+            }
+            assert aggregating == {0, 1, 2}
+            assert_mean(averager.tensors, expected)
+        with pytest.raises(ConfigError, match="help:"):  # relayed only: cannot aggregate
+            await AsyncAverager.create(
+                tensors_of(9), averagers[3].node, settings(prefix="other", client_mode=False)
+            )
     finally:
         await stop(averagers)
 

@@ -76,6 +76,22 @@ def test_auxiliary_peer_takes_the_solved_share() -> None:
     assert math.isclose(plan.bottleneck, 1.2, rel_tol=1e-6)
 
 
+def test_punchable_nat_peers_take_the_parts_off_the_auxiliary_peer() -> None:
+    """A coordinator's auxiliary peer, 3 public volunteers and 28 behind NATs, all at the same
+    bandwidth. If only public peers aggregate, the four of them carry every part (about a
+    quarter each). If the 20 behind punchable NATs aggregate too (``can_accept``), the parts
+    spread over all 24 by bandwidth and the round is about 3.7x shorter."""
+    aux = [True] + [False] * 31
+    public_only = optimize_fractions(
+        [100.0] * 32, client_mode=[False] * 4 + [True] * 28, auxiliary=aux
+    )
+    spread = optimize_fractions([100.0] * 32, client_mode=[False] * 24 + [True] * 8, auxiliary=aux)
+    assert public_only.fractions[0] > 0.25 and all(f > 0.24 for f in public_only.fractions[1:4])
+    assert spread.fractions[0] < 0.08 and spread.shares[24:] == (0,) * 8
+    assert max(spread.fractions[1:24]) - min(spread.fractions[1:24]) < 1e-6
+    assert public_only.bottleneck > 3.5 * spread.bottleneck
+
+
 def test_client_time_counts_in_the_bottleneck() -> None:
     plan = optimize_fractions([1.0, 100.0, 100.0], client_mode=[True, False, False])
     assert plan.shares[0] == 0 and math.isclose(plan.bottleneck, 1.0)  # the client's vector

@@ -125,6 +125,9 @@ def test_leader_messages() -> None:
     assert code == "refused" and refusal == Refusal("following", suggested)
     code, refusal, _ = decode_leader_message(encode_release(None))
     assert code == "released" and refusal == Refusal("released", None)
+    # A leader that keeps leading points a follower of another chunk to that chunk's leader.
+    code, refusal, _ = decode_leader_message(encode_release(suggested, "misplaced"))
+    assert code == "released" and refusal == Refusal("misplaced", suggested)
     code, _, body = decode_leader_message(encode_begin(group()))
     assert code == "begin" and receive(body) == group()
     with pytest.raises(MalformedFrame):

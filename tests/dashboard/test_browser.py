@@ -28,6 +28,7 @@ EPOCHS = 6
 XSS_NAME = "<img src=x onerror=\"document.title='pwned'\">"
 LINK = "https://run.example.org"
 WHEEL = LINK + "/install/kit_collab-9.9-py3-none-any.whl"
+DIGEST = "ab" * 32
 BROWSER_TIMEOUT = 120_000 * MS
 
 pytestmark = [
@@ -104,6 +105,7 @@ async def test_dashboard_renders_the_live_curve_and_leaderboard(tmp_path: Path) 
                 "time": 1764100000.0,
                 "kit_version": "9.9",
                 "install": WHEEL,
+                "install_sha256": DIGEST,
             },
         )
 
@@ -175,4 +177,5 @@ async def test_dashboard_renders_the_live_curve_and_leaderboard(tmp_path: Path) 
     assert f'COORDINATOR = "{LINK}"' in cell and "kit.join(COORDINATOR)" in cell
     assert 'id="copy-cell"' in join.group(1) and 'href="join.ipynb"' in join.group(1)
     assert "Colab" in join.group(1) and "Kaggle" in join.group(1)
-    assert f"kit join {LINK}" in join.group(1) and f"pip install {WHEEL}" in join.group(1)
+    pinned = html.escape(f'pip install "kit-collab @ {WHEEL}#sha256={DIGEST}"', quote=False)
+    assert f"kit join {LINK}" in join.group(1) and pinned in join.group(1), join.group(1)

@@ -77,7 +77,10 @@ def run_peer(args: argparse.Namespace) -> dict[str, Any]:
             initial_peers = json.load(f)
     else:
         initial_peers = []
-    dht = DHT(initial_peers, host=args.host, port=0)
+    if args.client_mode:  # behind a NAT: relayed, then punched (kit.p2p.hole_punch)
+        dht = DHT(initial_peers, client_mode=True)
+    else:  # public: it also relays for the client-mode peers
+        dht = DHT(initial_peers, host=args.host, port=0, peer_options={"relay_service": True})
     if i == 0:
         with open(address_file + ".tmp", "w") as f:
             json.dump(dht.get_visible_addresses(), f)
@@ -123,6 +126,7 @@ def run_peer(args: argparse.Namespace) -> dict[str, Any]:
                     "cpu_s": cpu,
                     "part_sizes": list(outcome.plan.part_sizes),
                     "position": list(outcome.peers).index(dht.peer_id),
+                    "client_mode": averager.client_mode,
                 }
             )
         _barrier(run_dir, "done", i, n)
@@ -139,6 +143,7 @@ def run_rounds(
     size_mb: float,
     rounds: int,
     bandwidths: Sequence[float | None] | None = None,
+    client_mode: Sequence[str] = (),
     timeout: float = 180.0,
 ) -> list[dict[str, Any]]:
     """Run one averaging peer in each of ``hosts`` for ``rounds`` rounds.
@@ -150,6 +155,7 @@ def run_rounds(
         rounds: rounds to time (the first includes connection set-up; callers skip it).
         bandwidths: per peer, the ``bandwidth=`` (bytes/s) given to its averager; None or a None
             entry: left to the averager's own measurement.
+        client_mode: hosts whose peers run in client mode (behind their NAT; never peer 0).
         timeout: for the whole run.
 
     Returns:
@@ -168,6 +174,8 @@ def run_rounds(
         args += [f"--host={sim.host(host).address}", f"--size-mb={size_mb}"]
         if bandwidth is not None:
             args.append(f"--bandwidth={bandwidth}")
+        if host in client_mode:
+            args.append("--client-mode")
         processes.append(sim.python(host, MODULE, *args))
     results = []
     give_up = time.monotonic() + timeout
@@ -197,6 +205,9 @@ def run_rounds(
             row["part_sizes"] = {
                 host: x["part_sizes"][x["position"]] for host, x in zip(hosts, records, strict=True)
             }
+            row["client_mode"] = {
+                host: x["client_mode"] for host, x in zip(hosts, records, strict=True)
+            }
         table.append(row)
     return table
 
@@ -211,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, required=True)
     parser.add_argument("--bandwidth", type=float, default=None)
     parser.add_argument("--min-matchmaking-time", type=float, default=2.0)
+    parser.add_argument("--client-mode", action="store_true", help="no listening socket (NAT)")
     args = parser.parse_args(argv)
     print(json.dumps(run_peer(args)), flush=True)
     return 0

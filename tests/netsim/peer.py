@@ -6,7 +6,9 @@ length and SHA-256, so the sender knows every byte arrived intact.
 
 ``send``: starts a peer, sends ``--rounds`` tensors of ``--size-mib`` MiB to ``--target`` (after a
 1 MiB warm-up that opens the connection) and prints one JSON line per run
-``{"bytes", "seconds": [...], "goodput_mbit_s": [...], "client_mode"}``.
+``{"bytes", "seconds": [...], "goodput_mbit_s": [...], "client_mode", "direct", "punch"}``. With
+``--wait-direct S`` it first waits up to S seconds for a relayed connection to become direct
+(hole punching, ``kit.p2p.hole_punch``); ``direct`` says whether the bytes went without a relay.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ async def _start(args: argparse.Namespace) -> Peer:
         client_mode=_client_mode(args.client_mode),
         relay_service=args.relay,
         dial_timeout=10.0,
+        hole_punching=not args.no_punch,
     )
 
 
@@ -64,6 +67,14 @@ async def send(args: argparse.Namespace) -> None:
     peer = await _start(args)
     try:
         remote = await peer.connect(args.target, timeout=30)
+        deadline = time.monotonic() + args.wait_direct
+        while time.monotonic() < deadline:
+            connection = peer.connection(remote)
+            if connection is not None and not connection.relayed:
+                break
+            await asyncio.sleep(0.1)
+        connection = peer.connection(remote)
+        direct = connection is not None and not connection.relayed
         stream = await peer.open_stream(remote, PROTOCOL, timeout=30)
         sizes = [2**20] + [args.size_mib * 2**20] * args.rounds  # warm-up first
         seconds = []
@@ -84,6 +95,8 @@ async def send(args: argparse.Namespace) -> None:
             "seconds": [round(s, 3) for s in seconds[1:]],
             "goodput_mbit_s": [round(size * 8 / s / 1e6, 1) for s in seconds[1:]],
             "client_mode": peer.client_mode,
+            "direct": direct,
+            "punch": peer.puncher.statistics() if peer.puncher is not None else None,
         }
         print(json.dumps(result), flush=True)
     finally:
@@ -101,6 +114,8 @@ def main() -> int:
     parser.add_argument("--size-mib", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--lifetime", type=float, default=600.0)
+    parser.add_argument("--no-punch", action="store_true", help="no hole punching")
+    parser.add_argument("--wait-direct", type=float, default=0.0, help="s to wait for a punch")
     args = parser.parse_args()
     asyncio.run(serve(args) if args.role == "serve" else send(args))
     return 0

@@ -24,7 +24,14 @@ from kit.errors import (
 )
 from kit.p2p.api import PeerAPI, StreamAPI
 from kit.p2p.identity import PeerID
-from kit.p2p.memory import MemoryNetwork, MemoryPeer, memory_address, parse_memory_address
+from kit.p2p.memory import MemoryNetwork, MemoryPeer
+from kit.p2p.memory_nat import (
+    NAT,
+    memory_address,
+    parse_memory_address,
+    parse_memory_route,
+    relayed_memory_address,
+)
 from tests.conftest import MS
 
 T = TypeVar("T")
@@ -157,19 +164,106 @@ def test_timeouts_cancel_the_handler_and_shutdown_breaks_calls_in_flight() -> No
     run(scenario())
 
 
-def test_client_mode_peer_is_reachable_only_after_it_dialed_out() -> None:
+def test_client_mode_peer_is_reachable_only_at_its_relay_after_it_dialed_out() -> None:
     async def scenario() -> None:
         network = MemoryNetwork()
         a, client = await pair(network, client_mode=True)
         third = await network.create_peer()
-        assert client.client_mode
-        assert client.get_visible_addresses() == []
+        assert client.client_mode and not client.can_accept and client.nat is NAT.SYMMETRIC
+        assert a.can_accept and a.nat is NAT.PUBLIC
+        assert client.get_visible_addresses() == [] and client.relay is None
         a.add_address(client.peer_id, memory_address(client.peer_id))
         with pytest.raises(PeerUnavailable, match="client mode"):
             await a.call(client.peer_id, "echo", b"", timeout=1.0)
-        await client.connect(memory_address(third.peer_id), timeout=1.0)  # "registers at a relay"
-        assert client.get_visible_addresses() == [memory_address(client.peer_id)]
+        await client.connect(memory_address(third.peer_id), timeout=1.0)  # registers there
+        relayed = relayed_memory_address(third.peer_id, client.peer_id)
+        assert client.relay == third.peer_id and client.get_visible_addresses() == [relayed]
+        assert parse_memory_route(relayed) == (client.peer_id, third.peer_id)
+        assert parse_memory_address(relayed) == client.peer_id
+        with pytest.raises(PeerUnavailable, match="client mode"):  # not a direct address
+            await a.call(client.peer_id, "echo", b"", timeout=1.0)
+        a.add_address(client.peer_id, relayed)
         assert await a.call(client.peer_id, "echo", b"", timeout=1.0) == a.peer_id.to_bytes()
+
+    run(scenario())
+
+
+def test_a_relays_shutdown_breaks_what_it_relayed_and_its_clients_register_again() -> None:
+    async def scenario() -> None:
+        network = MemoryNetwork()
+        a, client = await pair(network, client_mode=True)
+        relay, spare = await network.create_peer(), await network.create_peer()
+
+        async def hold(stream: StreamAPI) -> None:
+            await stream.receive_message(timeout=5.0)
+
+        client.add_stream_handler("hold", hold)
+        await client.connect(memory_address(relay.peer_id), timeout=1.0)
+        await client.connect(memory_address(spare.peer_id), timeout=1.0)
+        assert client.relay == relay.peer_id  # the first public peer it dialed
+        a.add_address(client.peer_id, client.get_visible_addresses()[0])
+        stream = await a.open_stream(client.peer_id, "hold", timeout=1.0)
+        await relay.shutdown()
+        with pytest.raises(ConnectionLost, match="relay"):
+            await stream.receive_message(timeout=1.0)
+        assert client.relay == spare.peer_id  # registered with its other public connection
+        with pytest.raises(PeerUnavailable):  # the old relayed address is gone with its relay
+            await a.call(client.peer_id, "echo", b"", timeout=1.0)
+        a.add_address(client.peer_id, client.get_visible_addresses()[0])
+        assert await a.call(client.peer_id, "echo", b"", timeout=1.0)
+
+    run(scenario())
+
+
+def test_no_nat_kind_listens_a_punch_goes_direct_and_a_symmetric_nat_stays_relayed() -> None:
+    """Neither kind of NAT'd peer can be dialed at its own address, nor before it registered
+    with a relay. Through its relayed address, a dial to a punchable peer ends in a direct
+    connection (the relay going away leaves its streams alone), one to a symmetric peer stays
+    relayed (its streams break with the relay)."""
+
+    async def echo_all(stream: StreamAPI) -> None:
+        while (message := await stream.receive_message(timeout=5.0)) is not None:
+            await stream.send_message(message, timeout=5.0)
+
+    async def scenario() -> None:
+        network = MemoryNetwork()
+        dialer, relay = await network.create_peer(), await network.create_peer()
+        streams: dict[NAT, StreamAPI] = {}
+        for kind in (NAT.PUNCHABLE, NAT.SYMMETRIC):
+            target = await network.create_peer(nat=kind)
+            target.add_stream_handler("echo", echo_all)
+            dialer.add_address(target.peer_id, memory_address(target.peer_id))
+            with pytest.raises(PeerUnavailable, match="client mode"):  # no listening socket
+                await dialer.open_stream(target.peer_id, "echo", timeout=1.0)
+            assert target.get_visible_addresses() == []  # not registered anywhere yet
+            await target.connect(memory_address(relay.peer_id), timeout=1.0)
+            [relayed] = target.get_visible_addresses()
+            assert relayed == relayed_memory_address(relay.peer_id, target.peer_id)
+            dialer.add_address(target.peer_id, relayed)
+            streams[kind] = await dialer.open_stream(target.peer_id, "echo", timeout=1.0)
+            await streams[kind].send_message(b"before", timeout=1.0)
+            assert await streams[kind].receive_message(timeout=1.0) == b"before"
+        await relay.shutdown()
+        await streams[NAT.PUNCHABLE].send_message(b"after", timeout=1.0)
+        assert await streams[NAT.PUNCHABLE].receive_message(timeout=1.0) == b"after"
+        with pytest.raises(ConnectionLost, match="relay"):
+            await streams[NAT.SYMMETRIC].receive_message(timeout=1.0)
+
+    run(scenario())
+
+
+def test_nat_kinds_and_client_mode_must_agree() -> None:
+    async def scenario() -> None:
+        network = MemoryNetwork()
+        punchable = await network.create_peer(nat="punchable")
+        assert punchable.client_mode and punchable.can_accept
+        assert (await network.create_peer(client_mode=True, nat=NAT.SYMMETRIC)).nat is NAT.SYMMETRIC
+        with pytest.raises(ConfigError, match="help:"):
+            await network.create_peer(client_mode=False, nat="punchable")
+        with pytest.raises(ConfigError, match="help:"):
+            await network.create_peer(client_mode=True, nat="public")
+        with pytest.raises(ConfigError, match="help:"):
+            await network.create_peer(nat="full-cone")
 
     run(scenario())
 

@@ -1,4 +1,7 @@
-"""Client-mode peers (no listening socket) reached through relays; failover; relay limits."""
+"""Client-mode peers (no listening socket) reached through relays; failover; relay limits.
+
+Hole punching is off here: these tests are about what the relay carries, and a punched
+connection would take the bytes off it (that is ``tests/p2p/test_hole_punch.py``)."""
 
 from __future__ import annotations
 
@@ -30,9 +33,11 @@ async def wait_until(condition, timeout: float = 10.0) -> None:  # type: ignore[
 
 
 async def test_client_mode_peer_is_reachable_through_a_relay() -> None:
-    relay = await create_peer(run_id="test", relay_service=True)
-    client = await create_peer(relay.get_visible_addresses(), run_id="test", client_mode=True)
-    outsider = await create_peer(run_id="test")
+    relay = await create_peer(run_id="test", hole_punching=False, relay_service=True)
+    client = await create_peer(
+        relay.get_visible_addresses(), run_id="test", hole_punching=False, client_mode=True
+    )
+    outsider = await create_peer(run_id="test", hole_punching=False)
     try:
         assert client.client_mode and client.listen_port is None and client._listener.server is None
         (address,) = client.get_visible_addresses()
@@ -50,9 +55,13 @@ async def test_client_mode_peer_is_reachable_through_a_relay() -> None:
 
 
 async def test_two_client_mode_peers_talk_through_the_relay() -> None:
-    relay = await create_peer(run_id="test", relay_service=True)
-    first = await create_peer(relay.get_visible_addresses(), run_id="test", client_mode=True)
-    second = await create_peer(relay.get_visible_addresses(), run_id="test", client_mode=True)
+    relay = await create_peer(run_id="test", hole_punching=False, relay_service=True)
+    first = await create_peer(
+        relay.get_visible_addresses(), run_id="test", hole_punching=False, client_mode=True
+    )
+    second = await create_peer(
+        relay.get_visible_addresses(), run_id="test", hole_punching=False, client_mode=True
+    )
     try:
         first.add_unary_handler("echo", echo, max_request=2**23)
         second.add_address(first.peer_id, first.get_visible_addresses()[0])
@@ -69,13 +78,13 @@ async def test_two_client_mode_peers_talk_through_the_relay() -> None:
 @pytest.mark.processes
 async def test_failover_when_a_relay_process_dies() -> None:
     process, dying_address = start_peer_process("--relay")
-    spare = await create_peer(run_id="test", relay_service=True)
-    third = await create_peer(run_id="test", relay_service=True)
+    spare = await create_peer(run_id="test", hole_punching=False, relay_service=True)
+    third = await create_peer(run_id="test", hole_punching=False, relay_service=True)
     client: Peer | None = None
-    outsider = await create_peer(run_id="test")
+    outsider = await create_peer(run_id="test", hole_punching=False)
     try:
         relays = [dying_address, spare.get_visible_addresses()[0], third.get_visible_addresses()[0]]
-        client = await create_peer(relays, run_id="test", client_mode=True)
+        client = await create_peer(relays, run_id="test", hole_punching=False, client_mode=True)
         client.add_unary_handler("echo", echo)
         assert client.relay_client is not None
         client.relay_client.retry_interval = 0.2
@@ -101,9 +110,16 @@ async def test_failover_when_a_relay_process_dies() -> None:
 
 async def test_relay_limits_circuits_and_bytes() -> None:
     limits = RelayLimits(max_circuits_per_peer=1, max_bytes_per_circuit=2 * 1024**2)
-    relay = await create_peer(run_id="test", relay_service=True, relay_limits=limits)
-    client = await create_peer(relay.get_visible_addresses(), run_id="test", client_mode=True)
-    first, second = await create_peer(run_id="test"), await create_peer(run_id="test")
+    relay = await create_peer(
+        run_id="test", hole_punching=False, relay_service=True, relay_limits=limits
+    )
+    client = await create_peer(
+        relay.get_visible_addresses(), run_id="test", hole_punching=False, client_mode=True
+    )
+    first, second = (
+        await create_peer(run_id="test", hole_punching=False),
+        await create_peer(run_id="test", hole_punching=False),
+    )
     try:
         client.add_unary_handler("echo", echo)
         address = client.get_visible_addresses()[0]
@@ -124,11 +140,13 @@ async def test_relay_limits_circuits_and_bytes() -> None:
 
 async def test_client_mode_without_relays_explains_itself() -> None:
     with pytest.raises(PeerUnavailable, match="help:"):
-        await create_peer(run_id="test", client_mode=True)
-    public = await create_peer(run_id="test")  # listens, but relays for nobody
+        await create_peer(run_id="test", hole_punching=False, client_mode=True)
+    public = await create_peer(run_id="test", hole_punching=False)  # listens, but relays for nobody
     try:
         with pytest.raises(PeerUnavailable, match="relay_service=True"):
-            await create_peer(public.get_visible_addresses(), run_id="test", client_mode=True)
+            await create_peer(
+                public.get_visible_addresses(), run_id="test", hole_punching=False, client_mode=True
+            )
     finally:
         await public.shutdown()
 

@@ -2,7 +2,7 @@
 
 Destinations that read their connection to the relay slowly (or never) are simulated by gating
 that connection's ``channel.recv``: the relay's writer then waits for their credit, and what the
-source keeps sending piles up unread at the relay, as behind a slow Colab downlink.
+source keeps sending piles up unread at the relay, as behind a slow Colab downlink. Hole punching is off: it would take the circuits off the relay.
 """
 
 from __future__ import annotations
@@ -81,9 +81,11 @@ def resets_for_memory(peers: list[Peer]) -> int:
 
 
 async def test_many_slow_circuits_of_one_client_are_not_reset_at_default_limits() -> None:
-    relay = await create_peer(run_id="test", relay_service=True)
-    client = await create_peer(relay.get_visible_addresses(), run_id="test", client_mode=True)
-    destinations = [await create_peer(run_id="test") for _ in range(16)]
+    relay = await create_peer(run_id="test", hole_punching=False, relay_service=True)
+    client = await create_peer(
+        relay.get_visible_addresses(), run_id="test", hole_punching=False, client_mode=True
+    )
+    destinations = [await create_peer(run_id="test", hole_punching=False) for _ in range(16)]
     peers = [*destinations, client, relay]
     received: dict[PeerID, list[str]] = {d.peer_id: [] for d in destinations}
     gate = asyncio.Event()
@@ -127,12 +129,20 @@ async def test_many_slow_circuits_of_one_client_are_not_reset_at_default_limits(
 
 async def test_a_client_flooding_circuits_to_destinations_that_never_read_is_bounded() -> None:
     limits = RelayLimits(peer_buffer=12 * MiB, buffer_budget=20 * MiB)
-    relay = await create_peer(run_id="test", relay_service=True, relay_limits=limits)
+    relay = await create_peer(
+        run_id="test", hole_punching=False, relay_service=True, relay_limits=limits
+    )
     relays = relay.get_visible_addresses()
-    attackers = [await create_peer(relays, run_id="test", client_mode=True) for _ in range(2)]
-    stalled = [await create_peer(relays, run_id="test", client_mode=True) for _ in range(4)]
-    honest = await create_peer(relays, run_id="test", client_mode=True)
-    outsider = await create_peer(run_id="test")
+    attackers = [
+        await create_peer(relays, run_id="test", hole_punching=False, client_mode=True)
+        for _ in range(2)
+    ]
+    stalled = [
+        await create_peer(relays, run_id="test", hole_punching=False, client_mode=True)
+        for _ in range(4)
+    ]
+    honest = await create_peer(relays, run_id="test", hole_punching=False, client_mode=True)
+    outsider = await create_peer(run_id="test", hole_punching=False)
     peers = [outsider, honest, *stalled, *attackers, relay]
     never = asyncio.Event()
     floods: list[asyncio.Future[str]] = []

@@ -12,10 +12,13 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 
-def make_certificate(folder: Path) -> tuple[Path, Path]:
+def make_certificate(folder: Path, *, prefix: str = "", expired: bool = False) -> tuple[Path, Path]:
+    """``{prefix}cert.pem`` and ``{prefix}key.pem`` in ``folder``; ``expired``: ended yesterday."""
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
     now = datetime.datetime.now(datetime.timezone.utc)
+    if expired:
+        now -= datetime.timedelta(days=2)
     certificate = (
         x509.CertificateBuilder()
         .subject_name(name)
@@ -31,7 +34,7 @@ def make_certificate(folder: Path) -> tuple[Path, Path]:
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         .sign(key, hashes.SHA256())
     )
-    certfile, keyfile = folder / "cert.pem", folder / "key.pem"
+    certfile, keyfile = folder / f"{prefix}cert.pem", folder / f"{prefix}key.pem"
     certfile.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
     keyfile.write_bytes(
         key.private_bytes(
