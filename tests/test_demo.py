@@ -168,3 +168,27 @@ def test_bad_arguments_are_refused() -> None:
         timeout=60,
     )
     assert done.returncode == 2 and "help:" in done.stderr
+
+
+def test_the_verdict_fits_the_runs_length() -> None:
+    """A short run is judged on taking global steps together, not on a loss that may rise by
+    chance over 4 steps; 20 steps or more must bring the loss down (ends averaged)."""
+    from kit.demo import LOSS_JUDGED_FROM, judge
+
+    def result(steps: int, losses: list[float], codes: tuple[int, ...] = (0, 0)) -> dict:
+        return {"global_steps": steps, "losses": losses, "exit_codes": list(codes)}
+
+    short = judge(result(4, [9.2, 9.3, 9.25, 9.4]))  # went up: too short to say
+    assert short[0] is False and "too few to judge the loss" in short[1]
+    assert judge(result(0, []))[0] is True
+    failed, why = judge(result(30, [9.0] * 30, codes=(0, 1)))
+    assert failed and "exited with an error" in why
+    falling = [9.0 - 0.05 * i for i in range(LOSS_JUDGED_FROM)]
+    assert judge(result(LOSS_JUDGED_FROM, falling)) == (
+        False,
+        f"the loss went down over {LOSS_JUDGED_FROM} global steps (8.9500 -> 8.1000)",
+    )
+    noisy_end = [*falling[:-1], 9.5]  # one bad last point does not decide
+    assert judge(result(LOSS_JUDGED_FROM, noisy_end))[0] is False
+    flat = judge(result(LOSS_JUDGED_FROM, [9.0] * LOSS_JUDGED_FROM))
+    assert flat[0] is True and "did not go down" in flat[1]

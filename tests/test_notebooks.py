@@ -15,6 +15,7 @@ import configparser
 import dataclasses
 import json
 import re
+import site
 import socket
 import subprocess
 import sys
@@ -248,16 +249,24 @@ print("kit", kit.__version__, "from", kit.__file__)
 
 
 def fresh_venv_kernel(root: Path) -> str:
-    """A virtual environment that sees the system's packages (torch, ipykernel, ...) but not this
-    checkout's kit, and a Jupyter kernel running in it; returns the kernel's name."""
+    """A virtual environment that sees this interpreter's packages (torch, ipykernel, ...) but not
+    this checkout's kit, and a Jupyter kernel running in it; returns the kernel's name.
+
+    Not ``--system-site-packages``: run from a virtual environment (or a conda env), that gives
+    the *base* interpreter's packages, which may lack ipykernel and everything else. Instead a
+    ``.pth`` file lists the site-packages folders of the interpreter running the tests, as plain
+    paths: Python does not read the ``.pth`` files inside them, so this checkout's editable kit
+    (an import hook in such a file) stays out, as on a fresh Colab machine.
+    """
     venv = root / "venv"
-    # --without-pip: pip (and setuptools) come from the system like everything else, as on Colab;
-    # a venv's own old setuptools would make pip want to upgrade it for torch.
+    # --without-pip: pip (and setuptools) come from the tests' interpreter like everything else,
+    # as on Colab; a venv's own old setuptools would make pip want to upgrade it for torch.
     subprocess.run(
-        [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
-        check=True,
-        timeout=120,
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120
     )
+    folders = [p for p in dict.fromkeys(site.getsitepackages()) if Path(p).is_dir()]
+    (own,) = (venv / "lib").glob("python3*/site-packages")
+    (own / "tests-interpreter.pth").write_text("".join(f"{folder}\n" for folder in folders))
     spec = root / "jupyter" / "kernels" / "kit-venv"
     spec.mkdir(parents=True)
     argv = [str(venv / "bin" / "python"), "-m", "ipykernel_launcher", "-f", "{connection_file}"]
@@ -269,7 +278,8 @@ def fresh_venv_kernel(root: Path) -> str:
 
 def site_packages(venv: Path) -> list[str]:
     (folder,) = (venv / "lib").glob("python3*/site-packages")
-    return sorted(path.name for path in folder.iterdir() if path.name != "__pycache__")
+    ours = ("__pycache__", "tests-interpreter.pth")
+    return sorted(path.name for path in folder.iterdir() if path.name not in ours)
 
 
 @pytest.mark.notebooks
