@@ -34,6 +34,17 @@ def get(url: str, headers: dict[str, str]) -> bytes:
         return bytes(answer.read())
 
 
+def local_options(root: Path, tokenizer_dir: Path) -> CoordinatorOptions:
+    """A coordinator on loopback with no auxiliary peer and no start-up check (fast)."""
+    return CoordinatorOptions(
+        host="127.0.0.1",
+        state_dir=str(root / "coordinator"),
+        tokenizer_dir=str(tokenizer_dir),
+        auxiliary_peer=False,
+        preflight=False,
+    )
+
+
 def organizer_dht(run_id: str) -> DHT:
     """The organizer's extra public peer, as `kit dht --run-id RUN` runs it."""
     return DHT(
@@ -52,14 +63,7 @@ def test_run_info_names_the_wheel_as_reached_the_tokenizer_digest_and_bootstrap_
     config = dataclasses.replace(
         config, access=dataclasses.replace(config.access, bootstrap_peers=(extra,))
     )
-    options = CoordinatorOptions(
-        host="127.0.0.1",
-        state_dir=str(tmp_path / "coordinator"),
-        tokenizer_dir=str(tokenizer_dir),
-        auxiliary_peer=False,
-        preflight=False,
-    )
-    with Coordinator(config, options) as coordinator:
+    with Coordinator(config, local_options(tmp_path, tokenizer_dir)) as coordinator:
         url = coordinator.join_url
         # Reached through a TLS proxy under its public name: absolute URLs say so.
         behind_proxy = {"Host": "run.example.org", "X-Forwarded-Proto": "https"}
@@ -98,14 +102,7 @@ def test_pip_installs_the_pinned_wheel_and_refuses_other_bytes(tmp_path: Path) -
     refuses it under any other digest (what a changed file looks like) and keeps nothing; the
     preflight says the same before any volunteer tries."""
     config, tokenizer_dir = prepare(tmp_path, documents=200)
-    options = CoordinatorOptions(
-        host="127.0.0.1",
-        state_dir=str(tmp_path / "coordinator"),
-        tokenizer_dir=str(tokenizer_dir),
-        auxiliary_peer=False,
-        preflight=False,
-    )
-    with Coordinator(config, options) as coordinator:
+    with Coordinator(config, local_options(tmp_path, tokenizer_dir)) as coordinator:
         info = fetch_run_info(coordinator.join_url)
         assert info.install_url is not None and info.install_sha256 is not None
 
@@ -268,14 +265,7 @@ def test_the_join_cell_installs_the_extras_the_runs_optimizer_needs(
     config = dataclasses.replace(
         config, optimizer=dataclasses.replace(config.optimizer, name=optimizer)
     )
-    options = CoordinatorOptions(
-        host="127.0.0.1",
-        state_dir=str(tmp_path / "coordinator"),
-        tokenizer_dir=str(tokenizer_dir),
-        auxiliary_peer=False,
-        preflight=False,
-    )
-    with Coordinator(config, options) as coordinator:
+    with Coordinator(config, local_options(tmp_path, tokenizer_dir)) as coordinator:
         answer = json.loads(get(coordinator.join_url + "/api/run", {}))
         assert answer["install_extras"] == sorted(extras)
         commands = run_join_cell(coordinator.join_url)
