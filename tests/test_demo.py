@@ -192,3 +192,10 @@ def test_the_verdict_fits_the_runs_length() -> None:
     assert judge(result(LOSS_JUDGED_FROM, noisy_end))[0] is False
     flat = judge(result(LOSS_JUDGED_FROM, [9.0] * LOSS_JUDGED_FROM))
     assert flat[0] is True and "did not go down" in flat[1]
+    # A fast run whose curve has few points (one per metrics collection): judged on those.
+    assert judge(result(48, [9.53, 9.34])) == (
+        False,
+        "the loss went down over 48 global steps (9.5300 -> 9.3400)",
+    )
+    assert judge(result(48, [9.34, 9.53]))[0] is True
+    assert judge(result(48, [9.5]))[0] is False  # seen once: nothing to compare
