@@ -245,8 +245,10 @@ class HolePuncher:
     @property
     def hopeless(self) -> bool:
         """Punches keep failing and none ever worked: our NAT maps each destination to a new
-        port (symmetric), so others should not count on reaching us directly."""
-        return self.failed >= HOPELESS_AFTER and self.punched + self.reversed == 0
+        port (symmetric), so others should not count on reaching us directly. Reversals do not
+        count against it: dialing a public peer ourselves says nothing of whether NAT'd peers,
+        most of a run, can reach us (a symmetric NAT's peer reverses fine)."""
+        return self.failed >= HOPELESS_AFTER and self.punched == 0
 
     def _allowed(self, remote: PeerID) -> bool:
         now = time.monotonic()

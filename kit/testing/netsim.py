@@ -112,6 +112,7 @@ class HostSpec:
     nat: bool = False  # behind a NAT: outbound connections only, nobody can dial it
     shape: LinkShape | None = None  # None = unshaped (veth speed)
     home_router: bool = False  # nat: behind a home router of its own (own public address)
+    symmetric: bool = False  # home_router: a new public port per destination (punches fail)
     global_address: str | None = (
         None  # public host: also this global-scope IP (a server's public IP), routed by the router
     )
@@ -403,21 +404,25 @@ class NetSim:
             tbf = " ".join(spec.shape.tbf_arguments())
             self._sh(netns, f"tc qdisc add dev eth0 root {tbf}")  # upload
             self._sh(gateway, f"tc qdisc add dev lan root {tbf}")  # download
-        self._sh(gateway, "nft -f -", stdin=self._home_router_ruleset())
+        self._sh(gateway, "nft -f -", stdin=self._home_router_ruleset(symmetric=spec.symmetric))
         self.hosts[spec.name] = Host(spec.name, netns, f"{lan}.2", True, spec.shape, wan)
 
     @staticmethod
-    def _home_router_ruleset() -> str:
+    def _home_router_ruleset(*, symmetric: bool = False) -> str:
         # Masquerade keeps the host's source port where it is free (endpoint-independent
         # mapping, as most home routers and cloud NATs do); inbound, only what conntrack knows
         # passes (address- and port-dependent filtering): a connection opened from inside, or a
         # SYN that arrives while the host's own SYN to that same address and port is out (TCP
         # simultaneous open). Anything else addressed to the router is dropped, not refused.
+        # ``symmetric``: a random public port for every connection (fully-random), as symmetric
+        # NATs (some carrier-grade and corporate ones) map: the port a relay saw is not the one
+        # a punch leaves from, so punches fail and the peer stays relayed.
+        mapping = "masquerade fully-random" if symmetric else "masquerade"
         return (
             "table ip home {\n"
             "  chain postrouting {\n"
             "    type nat hook postrouting priority srcnat;\n"
-            '    oifname "wan" masquerade\n'
+            f'    oifname "wan" {mapping}\n'
             "  }\n"
             "  chain forward {\n"
             "    type filter hook forward priority filter; policy drop;\n"

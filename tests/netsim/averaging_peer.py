@@ -103,6 +103,7 @@ def run_peer(args: argparse.Namespace) -> dict[str, Any]:
         for r in range(args.rounds):
             with averager.get_tensors() as tensors:
                 tensors[0].copy_(own)
+            time.sleep(args.pause)  # lets background work (hole punches) finish between rounds
             _barrier(run_dir, f"r{r}", i, n)
             started, cpu_started = time.perf_counter(), time.process_time()
             try:
@@ -130,10 +131,13 @@ def run_peer(args: argparse.Namespace) -> dict[str, Any]:
                 }
             )
         _barrier(run_dir, "done", i, n)
+        puncher = getattr(getattr(dht.node, "peer", None), "puncher", None)
+        punch = puncher.statistics() if puncher is not None else None
+        can_accept = bool(getattr(dht.node.peer, "can_accept", False))
     finally:
         averager.shutdown()
         dht.shutdown()
-    return {"index": i, "rounds": rounds}
+    return {"index": i, "rounds": rounds, "punch": punch, "can_accept": can_accept}
 
 
 def run_rounds(
@@ -144,6 +148,8 @@ def run_rounds(
     rounds: int,
     bandwidths: Sequence[float | None] | None = None,
     client_mode: Sequence[str] = (),
+    finals: dict[str, Any] | None = None,
+    pause: float = 0.0,
     timeout: float = 180.0,
 ) -> list[dict[str, Any]]:
     """Run one averaging peer in each of ``hosts`` for ``rounds`` rounds.
@@ -156,6 +162,9 @@ def run_rounds(
         bandwidths: per peer, the ``bandwidth=`` (bytes/s) given to its averager; None or a None
             entry: left to the averager's own measurement.
         client_mode: hosts whose peers run in client mode (behind their NAT; never peer 0).
+        pause: seconds each peer waits before each round (background work goes on meanwhile).
+        finals: filled with each host's peer at the end: its hole-punch counters (``punch``)
+            and whether others could connect to it directly (``can_accept``).
         timeout: for the whole run.
 
     Returns:
@@ -176,6 +185,8 @@ def run_rounds(
             args.append(f"--bandwidth={bandwidth}")
         if host in client_mode:
             args.append("--client-mode")
+        if pause:
+            args.append(f"--pause={pause}")
         processes.append(sim.python(host, MODULE, *args))
     results = []
     give_up = time.monotonic() + timeout
@@ -189,6 +200,9 @@ def run_rounds(
             raise RuntimeError(f"averaging peer in {host} failed ({process.returncode})")
         results.append(json.loads(lines[-1]))
     shutil.rmtree(run_dir, ignore_errors=True)  # barrier files only
+    if finals is not None:
+        for host, result in zip(hosts, results, strict=True):
+            finals[host] = {"punch": result.get("punch"), "can_accept": result.get("can_accept")}
     table = []
     for r in range(rounds):
         records = [next(x for x in p["rounds"] if x["round"] == r) for p in results]
@@ -223,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bandwidth", type=float, default=None)
     parser.add_argument("--min-matchmaking-time", type=float, default=2.0)
     parser.add_argument("--client-mode", action="store_true", help="no listening socket (NAT)")
+    parser.add_argument("--pause", type=float, default=0.0, help="seconds before each round")
     args = parser.parse_args(argv)
     print(json.dumps(run_peer(args)), flush=True)
     return 0

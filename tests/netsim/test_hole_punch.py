@@ -11,6 +11,7 @@ with punching off, sends the same bytes through the relay.
 from __future__ import annotations
 
 import subprocess
+from typing import Any
 
 import pytest
 
@@ -133,3 +134,40 @@ def test_hole_punch_lets_nat_peers_aggregate_and_the_average_stays_exact() -> No
     last = table[-1]
     assert last["client_mode"] == dict.fromkeys(("public", "alice", "bob", "carol"), False), last
     assert all(size > 0 for size in last["part_sizes"].values()), last["part_sizes"]
+
+
+@pytest.mark.netns
+@pytest.mark.processes
+@pytest.mark.timeout(300)
+@skip_without_netns
+def test_hole_punch_fails_behind_a_symmetric_nat_and_that_peer_stops_aggregating() -> None:
+    """Three volunteers behind ordinary home routers and one behind a symmetric NAT (a new
+    public port per destination: the port a relay saw is not the one a punch leaves from). The
+    punches to it fail and its traffic stays relayed, every round stays exact, and once three
+    punches have failed (and none worked) it stops aggregating (``can_accept`` is False): the
+    others no longer send it parts through relays."""
+    names = ("alice", "bob", "carol")
+    hosts = [
+        HostSpec("public"),
+        *(HostSpec(name, nat=True, home_router=True) for name in names),
+        HostSpec("sym", nat=True, home_router=True, symmetric=True),
+    ]
+    finals: dict[str, Any] = {}
+    with NetSim(hosts) as sim:
+        table = run_rounds(
+            sim,
+            [h.name for h in hosts],
+            size_mb=4.0,
+            rounds=6,
+            client_mode=(*names, "sym"),
+            finals=finals,
+            pause=4.0,  # each failed punch takes PUNCH_SECONDS; the rounds go on meanwhile
+            timeout=260.0,
+        )
+    assert all(row["ok"] for row in table), table
+    sym = finals["sym"]
+    assert sym["can_accept"] is False and sym["punch"]["punched"] == 0, finals
+    assert sym["punch"]["failed"] >= 3, finals
+    last = table[-1]["part_sizes"]
+    assert last["sym"] == 0 and last["public"] > 0, last
+    assert any(last[name] > 0 for name in names), last
