@@ -240,6 +240,7 @@ class HolePuncher:
         # When we last tried with each peer: an upgrade costs SYNs for seconds, and a peer must
         # not be able to make us dial or punch over and over (nor at addresses of its choice).
         self._last: dict[PeerID, float] = {}
+        self._initiating: set[PeerID] = set()  # our upgrades in flight (both may ask at once)
         peer.add_stream_handler(PROTOCOL, self._serve)
 
     @property
@@ -275,26 +276,35 @@ class HolePuncher:
         if not self._allowed(remote):
             return False
         self.tried += 1
+        self._initiating.add(remote)
         try:
             done = await asyncio.wait_for(self._upgrade(remote), UPGRADE_TIMEOUT)
         except (PeerError, KitTimeout, OSError, asyncio.TimeoutError) as e:
             logger.debug("no direct connection to %s: %s", remote.short(), e)
             done = False
+        finally:
+            self._initiating.discard(remote)
+        if done is None:  # the other side declined (busy with its own attempt): no verdict
+            self.tried -= 1
+            return False
         if not done:
             self.failed += 1
         return done
 
-    async def _upgrade(self, remote: PeerID) -> bool:
+    async def _upgrade(self, remote: PeerID) -> bool | None:
         peer = self.peer
         listen = [] if peer.client_mode else _direct(peer.get_visible_addresses())
         mine = peer.observed_endpoints() if peer.client_mode else []
         if not listen and (not mine or peer.punch_port is None):
-            return False  # nothing the other side could reach: stay relayed
+            return None  # nothing the other side could reach (yet): stay relayed, no verdict
         stream = await peer.open_stream(remote, PROTOCOL, timeout=10.0)
         try:
             began = time.monotonic()
             await _send(stream, {"addrs": _pack(mine), "listen": listen})
             answer = await _receive(stream, 10.0)
+            if answer.get("busy") is True:
+                await stream.close()
+                return None
             rtt = time.monotonic() - began
             theirs = _unpack(answer.get("addrs"))
             if not listen and theirs:
@@ -328,8 +338,12 @@ class HolePuncher:
     async def _serve(self, stream: Stream) -> None:
         peer, remote = self.peer, stream.remote_peer
         request = await _receive(stream, 10.0)
-        if not self._allowed(remote):
-            await _send(stream, {"addrs": [], "reversed": False})
+        # Both sides often ask at once (each dialed the other through the relay): then the
+        # attempt of the smaller peer id goes on, and the other side serves it (its own attempt
+        # is declined as busy). Otherwise, one attempt per RETRY_AFTER.
+        collides = remote in self._initiating and remote < peer.peer_id
+        if not collides and not self._allowed(remote):
+            await _send(stream, {"addrs": [], "reversed": False, "busy": True})
             return
         listen = [a for a in request.get("listen", ()) if isinstance(a, str)][:MAX_ADDRESSES]
         if listen:
