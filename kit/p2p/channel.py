@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncIterator
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from kit.errors import (
     AuthError,
@@ -52,6 +52,34 @@ def websocket_max_size(max_frame: int) -> int:
     hostile peer cannot make this peer hold 16 MiB per connection with one frame header.
     """
     return max(max_frame, wire.MAX_CONTROL_PAYLOAD) + wire.HEADER_SIZE + TAG_SIZE
+
+
+#: The hello feature that offers unmasked websocket frames after the handshake
+#: (``kit.p2p.websocket`` says why); used when both hellos carry it.
+PLAIN_FRAMES = "plain-frames"
+
+
+@runtime_checkable
+class PlainFraming(Protocol):
+    """A channel that can drop RFC 6455 masking once both ends agreed (kit's websocket)."""
+
+    plain_possible: bool  # nothing on the path parses frames, and the peer's options allow it
+
+    def accept_plain(self) -> None: ...
+
+    def send_plain(self) -> None: ...
+
+
+def _offer_plain(channel: Channel, settings: HandshakeSettings) -> HandshakeSettings:
+    if isinstance(channel, PlainFraming) and channel.plain_possible:
+        return dataclasses.replace(settings, features=(*settings.features, PLAIN_FRAMES))
+    return settings
+
+
+def _plain_agreed(channel: Channel, remote: RemoteHello) -> PlainFraming | None:
+    if isinstance(channel, PlainFraming) and channel.plain_possible:
+        return channel if PLAIN_FRAMES in remote.features else None
+    return None
 
 
 class Authorizer(Protocol):
@@ -128,11 +156,13 @@ async def _refusing_on_error(channel: Channel) -> AsyncIterator[None]:
         raise
 
 
-async def _credentials(
-    authorizer: Authorizer, settings: HandshakeSettings, timeout: float
+async def _settings(
+    channel: Channel, authorizer: Authorizer, settings: HandshakeSettings, timeout: float
 ) -> HandshakeSettings:
+    """What this side's hello says: ``settings`` with the authorizer's credentials, and the
+    offer of plain frames when the channel can drop masking."""
     credentials = await wait_bounded(authorizer.credentials(), timeout, "getting an access token")
-    return dataclasses.replace(settings, credentials=credentials)
+    return dataclasses.replace(_offer_plain(channel, settings), credentials=credentials)
 
 
 async def dial_handshake(
@@ -147,13 +177,16 @@ async def dial_handshake(
     """Run the dialer's side of the handshake; returns the verified remote hello and session keys."""
     async with _refusing_on_error(channel):
         handshake = DialerHandshake(
-            identity, await _credentials(authorizer, settings, timeout), expected_peer
+            identity, await _settings(channel, authorizer, settings, timeout), expected_peer
         )
         await channel.send(handshake.hello())
         remote, auth = handshake.receive_hello(await _recv_frame(channel, timeout))
         await _authorize(channel, authorizer, remote)
         await channel.send(auth)
         handshake.receive_welcome(await _recv_frame(channel, timeout))
+        plain = _plain_agreed(channel, remote)
+        if plain is not None:  # the listener takes unmasked frames since its hello
+            plain.send_plain()
     assert handshake.session_keys is not None  # set by receive_hello
     return remote, handshake.session_keys
 
@@ -168,9 +201,14 @@ async def accept_handshake(
 ) -> tuple[RemoteHello, SessionKeys]:
     """Run the listener's side of the handshake; returns the verified remote hello and session keys."""
     async with _refusing_on_error(channel):
-        handshake = ListenerHandshake(identity, await _credentials(authorizer, settings, timeout))
+        handshake = ListenerHandshake(
+            identity, await _settings(channel, authorizer, settings, timeout)
+        )
         remote, hello = handshake.receive_hello(await _recv_frame(channel, timeout))
         await _authorize(channel, authorizer, remote)
+        plain = _plain_agreed(channel, remote)
+        if plain is not None:  # before our hello: the dialer goes plain after our WELCOME
+            plain.accept_plain()
         await channel.send(hello)
         await channel.send(handshake.receive_auth(await _recv_frame(channel, timeout)))
     assert handshake.session_keys is not None  # set by receive_auth

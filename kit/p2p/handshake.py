@@ -59,7 +59,7 @@ class HandshakeSettings:
     credentials: bytes = b""  # from the authorizer (e.g. a signed access token)
     features: tuple[str, ...] = ()  # e.g. ("relay",) when this peer relays for others
     receive_window: int = 8 * 1024**2  # per-stream receive window (bytes)
-    max_frame: int = 1024**2  # largest DATA payload this side accepts (bytes)
+    max_frame: int = 4 * 1024**2 + 16 * 1024  # largest DATA payload this side accepts (bytes)
     frame_auth: bool = False  # require a MAC on every frame after the handshake (private runs)
 
 

@@ -116,6 +116,7 @@ async def channel_over_socket(
         max_size=websocket_max_size(options.limits.max_frame),
         keepalive_interval=options.keepalive_interval,
         keepalive_timeout=options.keepalive_timeout,
+        plain_possible=options.plain_frames,  # a direct TCP connection: nothing parses frames
     )
     if first.data:
         channel.feed(bytes(first.data))

@@ -23,7 +23,9 @@ class MuxLimits:
     receive_window: int = (
         8 * 1024**2
     )  # unconsumed bytes one stream may buffer here; raise for fast, far links
-    max_frame: int = 1024**2  # largest DATA payload accepted (1-4 MiB measured fastest here)
+    max_frame: int = (
+        4 * 1024**2 + 16 * 1024
+    )  # largest DATA payload: an all-reduce chunk of 4 MiB and its header
     max_inbound_streams: int = 256  # concurrent streams the remote side may open
     max_refused: int = 256  # refused stream openings in a row before the peer is dropped
     connection_buffer: int = 64 * 2**20  # unread bytes per connection; raise if "reset for memory"
@@ -86,6 +88,7 @@ class PeerOptions:
     idle_timeout: float = 300.0  # close connections without streams for this long (0 = never)
     frame_auth: bool = False  # MAC every frame (on by itself with a private-run authorizer)
     fast_framing: bool = True  # kit's own zero-copy websocket framing after the upgrade (2x faster)
+    plain_frames: bool = True  # unmasked frames between kit peers; False if a proxy parses frames
     hole_punching: bool = True  # upgrade relayed connections to direct ones (kit.p2p.hole_punch)
 
     def __post_init__(self) -> None:

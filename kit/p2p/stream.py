@@ -180,46 +180,41 @@ class Stream:
     # --- sending -------------------------------------------------------------------------
 
     async def send_message(self, data: Message, *, timeout: float | None = None) -> None:
-        """Send one message (bytes-like, or a sequence of parts sent as one message)."""
+        """Send one message (bytes-like, or a sequence of parts sent as one message, uncopied)."""
         mux = self.connection.mux
-        parts = message_parts(data)
-        if len(parts) > 1:
-            size = sum(len(part) for part in parts)
-            if size > mux.send_frame_size:
-                return await self.send_message(b"".join(parts), timeout=timeout)
-            # A small multi-part message (a relayed frame) goes out as one frame, uncopied.
-            while mux.send_credit(self.stream_id) < size:
-                if self._error is not None:
-                    raise self._error
-                self._credit_ready.clear()
-                await wait_bounded(
-                    self._credit_ready.wait(), timeout, f"sending on {self.protocol}"
-                )
-            if self._error is not None:
-                raise self._error
-            views = tuple(memoryview(part).cast("B") for part in parts)
-            self.connection.enqueue(mux.data_frame(self.stream_id, views, end_message=True))
+        parts = [memoryview(part).cast("B") for part in message_parts(data)]
+        size = sum(len(part) for part in parts)
+        if len(parts) > 1 and size <= mux.send_frame_size:
+            # A small multi-part message (a relayed frame) goes out as one frame.
+            await self._wait_credit(size, timeout)
+            self.connection.enqueue(mux.data_frame(self.stream_id, tuple(parts), end_message=True))
             return
-        view = memoryview(parts[0]).cast("B")
-        offset = 0
+        sent = 0
+        while True:
+            credit = await self._wait_credit(1 if sent < size else 0, timeout)
+            count = min(size - sent, credit, mux.send_frame_size)
+            frame = _take(parts, count)
+            sent += count
+            last = sent == size
+            self.connection.enqueue(
+                mux.data_frame(
+                    self.stream_id, frame[0] if len(frame) == 1 else frame, end_message=last
+                )
+            )
+            if last:
+                return
+
+    async def _wait_credit(self, needed: int, timeout: float | None) -> int:
+        """Wait until the remote granted at least ``needed`` bytes; return the credit."""
+        mux = self.connection.mux
         while True:
             if self._error is not None:
                 raise self._error
             credit = mux.send_credit(self.stream_id)
-            if credit == 0 and offset < len(view):
-                self._credit_ready.clear()
-                await wait_bounded(
-                    self._credit_ready.wait(), timeout, f"sending on {self.protocol}"
-                )
-                continue
-            end = min(len(view), offset + credit, offset + mux.send_frame_size)
-            last = end == len(view)
-            self.connection.enqueue(
-                mux.data_frame(self.stream_id, view[offset:end], end_message=last)
-            )
-            offset = end
-            if last:
-                return
+            if credit >= needed:
+                return credit
+            self._credit_ready.clear()
+            await wait_bounded(self._credit_ready.wait(), timeout, f"sending on {self.protocol}")
 
     async def close(self) -> None:
         """Half-close. On a connection that is already gone this does nothing (sends raised)."""
@@ -278,6 +273,25 @@ class Stream:
 
     def __repr__(self) -> str:
         return f"<Stream {self.stream_id} {self.protocol} with {self.remote_peer.short()}>"
+
+
+def _take(parts: list[memoryview], count: int) -> tuple[memoryview, ...]:
+    """The next ``count`` bytes of ``parts`` as views (consumed from ``parts``: no copy)."""
+    taken: list[memoryview] = []
+    while count or not taken:
+        if not parts:
+            return (memoryview(b""),) if not taken else tuple(taken)
+        head = parts[0]
+        if len(head) <= count:
+            taken.append(parts.pop(0))
+            count -= len(head)
+            if not count:
+                break
+        else:
+            taken.append(head[:count])
+            parts[0] = head[count:]
+            break
+    return tuple(taken)
 
 
 StreamHandler = Callable[[Stream], Awaitable[None]]

@@ -182,8 +182,15 @@ async def dial(
         return WebSocketChannel(websocket, address.url)
     # The listener sends nothing before our HELLO, so nothing is buffered in websockets yet.
     try:
+        # Through an HTTP proxy, keep RFC 6455's masking: a proxy may parse the frames.
+        proxied = "sock" not in connection_options and _proxied() and _proxy_options(address) == {}
         return _take_over(
-            websocket, options, is_client=True, remote_address=address.url, remote_host=None
+            websocket,
+            options,
+            is_client=True,
+            remote_address=address.url,
+            remote_host=None,
+            plain_possible=not proxied,
         )
     except PeerError:
         with contextlib.suppress(Exception):
@@ -234,6 +241,7 @@ def _take_over(
     remote_address: str,
     remote_host: str | None,
     pending: tuple[bytes, ...] = (),
+    plain_possible: bool = True,
 ) -> FastWebSocketChannel:
     early = _received_beyond(websocket)
     if early:  # the remote did not wait for its turn (see callers): never lose them silently
@@ -251,6 +259,7 @@ def _take_over(
         keepalive_timeout=options.keepalive_timeout,
         on_lost=websocket.connection_lost,
         pending=pending,
+        plain_possible=plain_possible and options.plain_frames,
     )
 
 

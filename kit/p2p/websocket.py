@@ -7,10 +7,20 @@ three on the way out, which capped tensor traffic at ~450-600 MB/s here against 
 plain TCP. Here the kernel writes payloads into the buffer they are delivered in, masking is an
 in-place XOR, and the unmasked (server) side sends with ``writelines`` (no copy at all).
 
-On the wire nothing changes: binary frames, client frames masked, ping/pong, close frames,
-fragmented messages accepted; text frames, reserved bits and unmasked client frames are protocol
-errors (``MalformedFrame``). Keepalive: a ping after ``interval`` seconds of silence, and the
+On the wire: binary frames, client frames masked, ping/pong, close frames, fragmented messages
+accepted; text frames, reserved bits and unmasked client frames are protocol errors
+(``MalformedFrame``). Keepalive: a ping after ``interval`` seconds of silence, and the
 connection is dropped when nothing at all arrives within ``interval + timeout``.
+
+Plain frames between kit peers: RFC 6455 masks client frames so that a browser's script cannot
+steer what a proxy's cache sees; between two kit processes that proved their keys in the
+handshake it buys nothing and costs a copy and an XOR of every byte the dialer sends (and an
+XOR of every byte the listener receives). When both hellos offer ``plain-frames``
+(``kit.p2p.channel``), the listener accepts unmasked client frames from its hello on
+(:meth:`FastWebSocketChannel.accept_plain`) and the dialer sends them from the WELCOME on
+(:meth:`FastWebSocketChannel.send_plain`). A dialer that goes through an HTTP proxy does not offer
+it (``plain_possible``), nor does a peer with ``PeerOptions.plain_frames`` off: those keep
+RFC 6455 to the letter.
 
 The frame parser (:class:`FrameReader`) is a pure core: bytes in, messages and replies out.
 """
@@ -89,6 +99,7 @@ class FrameReader:
 
     def __init__(self, *, expect_masked: bool, max_size: int) -> None:
         self.expect_masked = expect_masked
+        self.accept_unmasked = False  # a listener that agreed on plain frames takes both kinds
         self.max_size = max_size
         self.messages: collections.deque[bytes | bytearray | memoryview] = collections.deque()
         self.replies: list[tuple[int, bytes]] = []
@@ -142,7 +153,7 @@ class FrameReader:
             raise MalformedFrame(
                 "websocket frame with reserved bits set (no extension was negotiated)"
             )
-        if masked != self.expect_masked:
+        if masked != self.expect_masked and not (self.accept_unmasked and not masked):
             raise MalformedFrame("websocket frame masking does not match the connection side")
         offset = 2
         if length == 126:
@@ -227,11 +238,15 @@ class FastWebSocketChannel(asyncio.BufferedProtocol):
         keepalive_timeout: float,
         on_lost: Any = None,
         pending: tuple[bytes, ...] = (),
+        plain_possible: bool = True,
     ) -> None:
+        """``plain_possible``: nothing between the two ends parses websocket frames (False for a
+        dialer whose connection goes through an HTTP proxy)."""
         self.remote_address = remote_address
+        self.plain_possible = plain_possible
+        self._masking = is_client  # clients mask until both ends agreed on plain frames
         self.remote_host = remote_host
         self._transport = transport
-        self._is_client = is_client
         self._reader = FrameReader(expect_masked=not is_client, max_size=max_size)
         self._reader.messages.extend(pending)
         self._message_ready = asyncio.Event()
@@ -298,6 +313,14 @@ class FastWebSocketChannel(asyncio.BufferedProtocol):
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._peer_closed.wait(), 1.0)
         self._transport.close()  # after our queued frames (the GOAWAY) are written
+
+    def accept_plain(self) -> None:
+        """The listener's side of plain frames: take unmasked client frames from now on."""
+        self._reader.accept_unmasked = True
+
+    def send_plain(self) -> None:
+        """The dialer's side of plain frames: send unmasked from now on (after the WELCOME)."""
+        self._masking = False
 
     def write_buffer_size(self) -> int:
         """Bytes written but not yet handed to the kernel (for memory accounting)."""
@@ -378,7 +401,7 @@ class FastWebSocketChannel(asyncio.BufferedProtocol):
             raise ConnectionLost(f"websocket to {self.remote_address} is closing")
         parts = message_parts(data)
         length = sum(len(part) for part in parts)
-        if not self._is_client:  # servers send unmasked: hand the parts to the kernel as they are
+        if not self._masking:  # unmasked: hand the parts to the kernel as they are
             self._transport.writelines([frame_header(opcode, length, None), *parts])
             return
         key = os.urandom(4)

@@ -29,7 +29,9 @@ from kit.errors import FrameTooLarge, MalformedFrame
 
 #: Bumped on any incompatible change of frames or handshake; peers of another version are
 #: refused at the handshake with a message that says which side to upgrade.
-PROTOCOL_VERSION = 1
+#: 2: unmasked websocket frames between kit peers (``plain-frames``), and one message per
+#: all-reduce chunk (``kit/averaging/allreduce/3``).
+PROTOCOL_VERSION = 2
 
 HEADER = struct.Struct("!BBI")
 HEADER_SIZE = HEADER.size

@@ -38,6 +38,7 @@ from kit.p2p.identity import Identity, PeerID
 from kit.p2p.options import MuxLimits
 from kit.p2p.peer import Peer, create_peer
 from kit.p2p.tensors import TensorHeader, receive_tensor, send_tensor
+from kit.p2p.websocket import FastWebSocketChannel
 from kit.p2p.wire import FrameType
 from tests.conftest import MS
 
@@ -104,6 +105,60 @@ async def test_bidirectional_stream_and_half_close() -> None:
             assert await stream.receive_message(timeout=5) == word.upper()
         await stream.close()
         assert await stream.receive_message(timeout=5) is None
+
+
+async def test_a_message_in_parts_crosses_frames_uncopied_and_arrives_whole() -> None:
+    """A header and a 9 MiB payload given as parts (an all-reduce chunk) go out as frames that
+    are views of the parts (nothing joined), and arrive as one message."""
+    payload = os.urandom(9 * 2**20 + 3)
+    async with peers(2) as (a, b):
+        received: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+
+        async def sink(stream: StreamAPI) -> None:
+            parts = await stream.receive_message_parts(max_size=2**24, timeout=10)  # type: ignore[attr-defined]
+            received.set_result(b"".join(parts))
+
+        a.add_stream_handler("sink", sink)
+        stream = await b.open_stream(a.peer_id, "sink", timeout=5)
+        framed: list[object] = []
+        connection = b._connections[a.peer_id]
+        enqueue = connection.enqueue
+        connection.enqueue = lambda frame: (framed.append(frame), enqueue(frame))[1]  # type: ignore[method-assign]
+        await stream.send_message((b"head", memoryview(payload)), timeout=10)  # type: ignore[arg-type]
+        assert await asyncio.wait_for(received, 10) == b"head" + payload
+        views = [part for frame in framed for part in frame[1:]]  # type: ignore[index]
+        assert len(framed) >= 3 and all(isinstance(v, memoryview) for v in views[1:])
+        assert all(v.obj is payload for v in views[1:])  # slices of the caller's buffer
+
+
+@pytest.mark.parametrize("listener_plain", [True, False])
+async def test_kit_peers_drop_masking_after_the_handshake_unless_one_declines(
+    listener_plain: bool,
+) -> None:
+    """Two kit peers agree on unmasked frames (the dialer's masking costs a copy and an XOR of
+    every byte); a peer with plain_frames=False (a proxy that parses frames) keeps RFC 6455."""
+    listener = await create_peer(run_id="test", plain_frames=listener_plain)
+    dialer = await create_peer(listener.get_visible_addresses(), run_id="test")
+    try:
+        listener.add_unary_handler("echo", echo)
+        assert (await dialer.call(listener.peer_id, "echo", b"hi", timeout=5)).startswith(b"hi!")
+        dialed = dialer._connections[listener.peer_id].channel
+        accepted = listener._connections[dialer.peer_id].channel
+        assert isinstance(dialed, FastWebSocketChannel)
+        assert isinstance(accepted, FastWebSocketChannel)
+        assert dialed._masking is not listener_plain
+        assert accepted._reader.accept_unmasked is listener_plain
+        big = os.urandom(3 * 2**20)  # a large message both ways, after the switch
+        listener.add_unary_handler("big", lambda caller, request: _reversed(request))
+        reply = await dialer.call(listener.peer_id, "big", big, timeout=10)
+        assert reply == big[::-1]
+    finally:
+        await dialer.shutdown()
+        await listener.shutdown()
+
+
+async def _reversed(request: bytes) -> bytes:
+    return request[::-1]
 
 
 async def test_remote_errors_are_typed() -> None:
@@ -209,17 +264,22 @@ async def test_wrong_run_id_is_refused_with_a_message() -> None:
 
 
 @pytest.mark.processes
-async def test_version_mismatch_is_refused_with_what_to_upgrade() -> None:
-    process, address = start_peer_process("--protocol-version", "2")
+@pytest.mark.parametrize("remote_is", ["newer", "older"])
+async def test_version_mismatch_is_refused_with_what_to_upgrade(remote_is: str) -> None:
+    """A peer of the previous protocol (1: masked frames, two messages per all-reduce chunk)
+    and one of a next protocol are both refused at once, each told which side to upgrade."""
+    remote_version = wire.PROTOCOL_VERSION + (1 if remote_is == "newer" else -1)
+    process, address = start_peer_process("--protocol-version", str(remote_version))
     try:
-        older = await create_peer(run_id="test")
+        local = await create_peer(run_id="test")
         try:
             with pytest.raises(HandshakeRefused) as info:
-                await older.connect(address, timeout=10)
+                await local.connect(address, timeout=10)
             assert info.value.reason == "version_mismatch"
-            assert "upgrade kit on the dialing peer" in str(info.value)  # the older one: us
+            older = "dialing" if remote_is == "newer" else "listening"
+            assert f"upgrade kit on the {older} peer" in str(info.value)
         finally:
-            await older.shutdown()
+            await local.shutdown()
     finally:
         process.kill()
         process.wait(10)

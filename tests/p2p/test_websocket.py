@@ -169,3 +169,18 @@ def test_the_websocket_bound_follows_the_announced_frame_size(max_frame: int) ->
     assert len(reader.messages[0]) == bound
     with pytest.raises(FrameTooLarge):  # one byte more is refused at its header, unread
         feed(reader, frame_header(OP_BINARY, bound + 1, b"abcd"), 64)
+
+
+def test_a_listener_takes_unmasked_frames_only_once_plain_frames_were_agreed() -> None:
+    unmasked = websockets_frame(Opcode.BINARY, b"plain", mask=False)
+    masked = websockets_frame(Opcode.BINARY, b"masked")
+    reader = FrameReader(expect_masked=True, max_size=1024)
+    with pytest.raises(MalformedFrame, match="masking"):
+        feed(reader, unmasked, 64)
+    reader = FrameReader(expect_masked=True, max_size=1024)
+    reader.accept_unmasked = True  # FastWebSocketChannel.accept_plain, after both hellos offer it
+    feed(reader, masked + unmasked, 3)
+    assert [bytes(m) for m in reader.messages] == [b"masked", b"plain"]
+    client = FrameReader(expect_masked=False, max_size=1024)
+    with pytest.raises(MalformedFrame, match="masking"):  # a server never masks
+        feed(client, masked, 64)
