@@ -53,8 +53,9 @@ from kit.averaging.chunk_stream import (
     decode_chunk,
     is_raw,
     payload_bound,
-    receive_header,
-    receive_into,
+    payload_of,
+    receive_chunk,
+    send_chunk,
     tensor_header,
 )
 from kit.averaging.compression import CompressionBase
@@ -281,8 +282,7 @@ class AllReduceRunner:
                     logger.warning("own chunk %d not averaged: %s", spec.chunk_index, e.message)
                     completed = e.completed
                 self._completed(completed)
-                if spec.chunk_index % 16 == 15:
-                    await asyncio.sleep(0)  # let streams in while our own part is summed
+                await asyncio.sleep(0)  # let streams in (and parts out) while our part is summed
         while self._ready < self._part_chunks:
             try:
                 await self._wait_progress(self._ready, self.tasks.remaining(self.timeouts.sender))
@@ -399,40 +399,36 @@ class AllReduceRunner:
         reducer = self.reducer
         assert reducer is not None
         for spec in reducer.chunks:
-            dtype = self.plan.tensors[spec.tensor_index].dtype
-            timeout = self.tasks.remaining(self.timeouts.sender)
-            header = await receive_header(stream, timeout)
-            if header is None:
+            bound = payload_bound(spec, self.plan.tensors[spec.tensor_index].dtype.itemsize)
+            received = await receive_chunk(
+                stream, bound, self.tasks.remaining(self.timeouts.sender)
+            )
+            if received is None:
                 raise RemoteProtocolError(f"{sender.short()} ended its part early")
-            codec_header = tensor_header(header, spec, payload_bound(spec, dtype.itemsize))
-            buffer = self.buffers.take(codec_header["nbytes"])
-            try:
-                view = memoryview(buffer)[: codec_header["nbytes"]]
-                await receive_into(stream, view, timeout)
-                self._bytes_in += len(view)
-                completed = self._add_chunk(sender, header["chunk"], codec_header, buffer, spec)
-            finally:
-                self.buffers.give_back(buffer)
-            self._completed(completed)
+            header, payload = received
+            codec_header = tensor_header(header, spec, bound)
+            payload = payload_of(codec_header, payload)
+            self._bytes_in += len(payload)
+            self._completed(self._add_chunk(sender, header["chunk"], codec_header, payload, spec))
 
     def _add_chunk(
         self,
         sender: PeerID,
         chunk: int,
         header: dict[str, Any],
-        buffer: bytearray,
+        payload: memoryview,
         spec: ChunkSpec,
     ) -> tuple[int, ...]:
-        """Decode one received chunk and add it; a chunk that fails a check is dropped alone."""
+        """Decode one received chunk and add it; a chunk that fails a check is dropped alone.
+        Raw values are summed from the frame they arrived in."""
         reducer = self.reducer
         assert reducer is not None
         gid, dtype = self.group.group_id, self.plan.tensors[spec.tensor_index].dtype
         raw = is_raw(header, spec, dtype)
         try:
             if raw:
-                values = torch.frombuffer(buffer, dtype=dtype, count=spec.size)
+                values = torch.frombuffer(payload, dtype=dtype, count=spec.size)
             else:
-                payload = memoryview(buffer)[: header["nbytes"]]
                 values = decode_chunk(header, payload, spec, dtype)
         except InvalidTensor as e:
             logger.info("chunk %d from %s rejected: %s", chunk, sender.short(), e)
@@ -440,7 +436,7 @@ class AllReduceRunner:
         try:
             completed = reducer.accept(sender, gid, self.me, chunk, values)
             if self._averages is not None and self._averages.lossy[chunk]:  # for its delta
-                sent = values.clone() if raw else (header, bytes(buffer[: header["nbytes"]]))
+                sent = values if raw else (header, payload)  # the frame's buffer is ours to keep
                 self._averages.keep_sent(sender, chunk, sent)
             return completed
         except InvalidChunk as e:
@@ -457,10 +453,7 @@ class AllReduceRunner:
                     await self._wait_progress(chunk, self.tasks.remaining(self.timeouts.reducer))
                 except asyncio.TimeoutError:
                     raise KitTimeout(f"no average of chunk {chunk} in time") from None
-            header, payload = self._averages.for_sender(sender, chunk)
-            timeout = self.tasks.remaining(self.timeouts.sender)
-            await stream.send_message(header, timeout=timeout)
-            if payload is not None:
-                await stream.send_message(payload, timeout=timeout)
-                self._bytes_out += len(payload)
+            head, payload = self._averages.for_sender(sender, chunk)
+            await send_chunk(stream, head, payload, self.tasks.remaining(self.timeouts.sender))
+            self._bytes_out += 0 if payload is None else len(payload)
         await stream.close()

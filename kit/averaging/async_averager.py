@@ -27,7 +27,7 @@ from kit.averaging.control import AveragingStage, StepControl
 from kit.averaging.declarations import MemberInfo
 from kit.averaging.group import GroupInfo, schema_hash
 from kit.averaging.matchmaking_driver import MatchmakingDriver
-from kit.averaging.partition import PartitionPlan, RoundReport
+from kit.averaging.partition import PartitionPlan, RoundReport, chunk_scale
 from kit.averaging.router import AveragingRouter
 from kit.averaging.served_rounds import ServedRounds
 from kit.averaging.settings import AveragerSettings, check_tensors, chunk_elements
@@ -137,6 +137,9 @@ class AsyncAverager:
             group_bits=settings.initial_group_bits,
             min_vector_size=settings.min_vector_size,
             spawn=self._spawn,
+            chunk_scale=lambda bandwidths, part_sizes: chunk_scale(
+                bandwidths, part_sizes, self.chunk_elements, settings.part_size_bytes
+            ),
         )
         self.sharing: StateSharing | None = None  # serves get_current_state() (not clients)
         self._step_lock = asyncio.Lock()
@@ -359,7 +362,8 @@ class AsyncAverager:
             if not control.triggered:
                 await self._await_trigger(control, group)
             control.advance(AveragingStage.RUNNING_ALLREDUCE)
-            plan = PartitionPlan.build(self.descriptors, group.part_sizes, self.chunk_elements)
+            scaled = [elements * group.chunk_scale for elements in self.chunk_elements]
+            plan = PartitionPlan.build(self.descriptors, group.part_sizes, scaled)
             report, runner = await self._run_allreduce(group, plan)
         finally:
             self.matchmaking.withdraw_after_round()  # not during it: see find_group

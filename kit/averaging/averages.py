@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from kit.averaging.chunk_stream import decode_chunk, encode_peer_set
+from kit.averaging.chunk_stream import chunk_head, decode_chunk, encode_peer_set
 from kit.averaging.compression import (
     AdaptiveCompressionBase,
     CompressionBase,
@@ -38,10 +38,9 @@ from kit.averaging.compression import (
 )
 from kit.averaging.partition import PartitionPlan, PartReducer
 from kit.errors import NonFiniteLocalTensor
-from kit.p2p import wire
 
-Encoded = tuple[bytes, memoryview | None]  # a chunk header, then its payload (None: no payload)
-Sent = torch.Tensor | tuple[dict[str, Any], bytes]  # a sender's chunk: values, or still encoded
+Encoded = tuple[bytes, memoryview | None]  # a chunk_head, then its payload (None: no payload)
+Sent = torch.Tensor | tuple[dict[str, Any], memoryview]  # a sender's chunk: values, or encoded
 
 
 def is_lossless(compression: CompressionBase, info: CompressionInfo) -> bool:
@@ -112,7 +111,7 @@ class OutgoingAverages:
 
     def nobody(self, chunk: int) -> None:
         """Nobody gets ``chunk`` (no sender delivered it, or its reduction failed)."""
-        self._shared[chunk] = wire.packb({"chunk": chunk, "peers": 0}), None
+        self._shared[chunk] = chunk_head({"chunk": chunk, "peers": 0}), None
         self._done[chunk] = True
 
     def for_sender(self, sender: Hashable, chunk: int) -> Encoded:
@@ -144,10 +143,9 @@ class OutgoingAverages:
         try:
             serialized = self.compression.compress(values, self.plan.compression_info(spec))
         except NonFiniteLocalTensor:  # the weighted sum overflowed: nobody gets this chunk
-            return wire.packb({"chunk": chunk, "peers": 0}), None
+            return chunk_head({"chunk": chunk, "peers": 0}), None
         if self._rounded is not None and self._shared_lossy[chunk]:  # as every sender decodes it
             self._rounded[chunk] = extract(serialized).view(-1)
         fields = {"chunk": chunk, "peers": encode_peer_set(mask), "delta": sent is not None}
-        return wire.packb({**fields, **serialized.header()}), memoryview(serialized.buffer).cast(
-            "B"
-        )
+        payload = memoryview(serialized.buffer).cast("B")
+        return chunk_head({**fields, **serialized.header()}), payload

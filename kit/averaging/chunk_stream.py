@@ -6,15 +6,18 @@ anything is allocated or decoded (``tensor_header``, ``payload_bound``, ``decode
 ``RoundBuffers`` (what a peer keeps from round to round). It does not hold the round's logic
 (``kit.averaging.allreduce``) or the codecs (``kit.averaging.compression``).
 
-A chunk is two messages: ``{chunk, codec, dtype, shape, nbytes}`` (plus ``peers`` on the way
-back), then ``nbytes`` of payload laid out as the codec says. Raw values of the tensor's own
-dtype (``is_raw``) are used in place: no decode, no copy beyond the stream's own.
+A chunk is one message: a 2-byte length, the msgpack header ``{chunk, codec, dtype, shape,
+nbytes}`` (plus ``peers`` and ``delta`` on the way back), then ``nbytes`` of payload laid out as
+the codec says. One message, not a header message and a payload message (protocol 2 did that):
+half the messages, and the payload arrives in the buffer the frame was read into, so raw values
+of the tensor's own dtype (``is_raw``) are summed straight from there (no copy at all) and other
+codecs decode from there.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import struct
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -24,38 +27,33 @@ from kit.errors import InvalidTensor, RemoteProtocolError
 from kit.p2p import wire
 from kit.p2p.api import StreamAPI
 
-PROTOCOL = "kit/averaging/allreduce/2"  # 2: differences for lossy codecs
+PROTOCOL = "kit/averaging/allreduce/3"  # 2: differences for lossy codecs; 3: one message a chunk
 MAX_HEADER = 4096  # bytes of one stream or chunk header
+_HEAD_LENGTH = struct.Struct("!H")
+
+
+class PartsStream(Protocol):
+    """A stream that sends a message given in parts without joining them, and hands a received
+    one out as the frames it arrived in (``kit.p2p.stream.Stream``)."""
+
+    async def send_message(self, data: Any, *, timeout: float | None = None) -> None: ...
+
+    async def receive_message_parts(
+        self, *, max_size: int, timeout: float | None = None
+    ) -> list[memoryview] | None: ...
 
 
 class RoundBuffers:
-    """Memory reused from round to round: averages in transit, the accumulator, receive buffers."""
+    """Memory reused from round to round: the accumulator of this peer's part (received chunks
+    and averages are used in the frames they arrived in)."""
 
     def __init__(self) -> None:
-        self.staging: list[torch.Tensor] = []  # flat copies of the tensors: averages land here
         self.accumulator = torch.empty(0, dtype=torch.float32)
-        self._free: list[bytearray] = []
-
-    def staging_for(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        shapes = [(t.numel(), t.dtype) for t in tensors]
-        if [(s.numel(), s.dtype) for s in self.staging] != shapes:
-            self.staging = [torch.empty(n, dtype=dtype) for n, dtype in shapes]
-        return self.staging
 
     def accumulator_for(self, size: int) -> torch.Tensor:
         if len(self.accumulator) < size:
             self.accumulator = torch.empty(size, dtype=torch.float32)
         return self.accumulator
-
-    def take(self, size: int) -> bytearray:
-        for i, buffer in enumerate(self._free):
-            if len(buffer) >= size:
-                return self._free.pop(i)
-        return bytearray(size)
-
-    def give_back(self, buffer: bytearray) -> None:
-        if len(self._free) < 16:  # a few per stream of a large group; more is garbage
-            self._free.append(buffer)
 
 
 def payload_bound(spec: ChunkSpec, itemsize: int) -> int:
@@ -74,18 +72,77 @@ def is_raw(header: dict[str, Any], spec: ChunkSpec, dtype: torch.dtype) -> bool:
     )
 
 
-async def receive_into(stream: StreamAPI, view: memoryview, timeout: float | None) -> None:
-    """Receive one message of exactly ``len(view)`` bytes into ``view``."""
-    receive_into = getattr(stream, "receive_message_into", None)  # kit.p2p streams: no copy
-    if receive_into is not None:
-        size = await receive_into(view, timeout=timeout)
+def chunk_head(header: dict[str, Any]) -> bytes:
+    """The bytes before a chunk's payload: the header's length, then the header."""
+    packed = wire.packb(header)
+    return _HEAD_LENGTH.pack(len(packed)) + packed
+
+
+async def send_chunk(
+    stream: StreamAPI, head: bytes, payload: memoryview | None, timeout: float | None
+) -> None:
+    """Send one chunk message (``head`` from :func:`chunk_head`) without copying the payload."""
+    if payload is None:
+        await stream.send_message(head, timeout=timeout)
+    elif hasattr(stream, "receive_message_parts"):  # (a Protocol isinstance costs ~20 us)
+        await cast(PartsStream, stream).send_message((head, payload), timeout=timeout)
+    else:  # a stream that takes one buffer (in-memory test networks)
+        await stream.send_message(b"".join((head, payload)), timeout=timeout)
+
+
+async def receive_chunk(
+    stream: StreamAPI, max_payload: int, timeout: float | None
+) -> tuple[dict[str, Any], memoryview] | None:
+    """The next chunk: its header (``chunk`` checked to be an int) and its payload, a writable
+    view of the frame it arrived in when it fits one (else one joined copy); None if the other
+    side closed the stream.
+
+    Raises:
+        FrameTooLarge: the message is larger than ``max_payload`` plus a header.
+        RemoteProtocolError: no valid header.
+    """
+    limit = _HEAD_LENGTH.size + MAX_HEADER + max_payload
+    parts: list[memoryview] | None
+    if hasattr(stream, "receive_message_parts"):
+        parts = await cast(PartsStream, stream).receive_message_parts(
+            max_size=limit, timeout=timeout
+        )
     else:
-        message = await stream.receive_message(max_size=len(view), timeout=timeout)
-        size = None if message is None else len(message)
-        if message is not None:
-            view[: len(message)] = message
-    if size != len(view):
-        raise RemoteProtocolError(f"expected a payload of {len(view)} bytes, got {size}")
+        message = await stream.receive_message(max_size=limit, timeout=timeout)
+        parts = None if message is None else [memoryview(bytearray(message))]
+    return None if parts is None else parse_chunk(parts)
+
+
+def parse_chunk(parts: list[memoryview]) -> tuple[dict[str, Any], memoryview]:
+    """A chunk message, given as the frames it arrived in: its header and its payload (see
+    :func:`receive_chunk`)."""
+    first = parts[0]
+    if len(parts) > 1 and len(first) < _HEAD_LENGTH.size + MAX_HEADER:  # a header cut in two
+        first, parts = memoryview(bytearray().join(parts)), []
+    else:
+        parts = parts[1:]
+    if len(first) < _HEAD_LENGTH.size:
+        raise RemoteProtocolError(f"a chunk message of {len(first)} bytes has no header")
+    (length,) = _HEAD_LENGTH.unpack_from(first)
+    end = _HEAD_LENGTH.size + length
+    if length > MAX_HEADER or end > len(first):
+        raise RemoteProtocolError(f"a chunk header of {length} bytes (at most {MAX_HEADER})")
+    header = wire.decode_map(first[_HEAD_LENGTH.size : end], "all-reduce chunk", {"chunk": int})
+    payload = first[end:]
+    if parts:  # the payload spans frames: one copy joins them
+        payload = memoryview(bytearray().join([payload, *parts]))
+    elif payload.readonly:
+        payload = memoryview(bytearray(payload))
+    return header, payload
+
+
+def payload_of(header: dict[str, Any], payload: memoryview) -> memoryview:
+    """The payload, checked to be exactly the ``nbytes`` its (already bounded) header says."""
+    if len(payload) != header["nbytes"]:
+        raise RemoteProtocolError(
+            f"expected a payload of {header['nbytes']} bytes, got {len(payload)}"
+        )
+    return payload
 
 
 def encode_peer_set(mask: int) -> int | bytes:
@@ -101,14 +158,6 @@ def decode_peer_set(value: Any) -> int | None:
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
     return None
-
-
-async def receive_header(stream: StreamAPI, timeout: float | None) -> dict[str, Any] | None:
-    """The next chunk header, or None if the other side closed the stream."""
-    raw = await stream.receive_message(max_size=MAX_HEADER, timeout=timeout)
-    if raw is None:
-        return None
-    return wire.decode_map(raw, "all-reduce chunk header", {"chunk": int})
 
 
 def tensor_header(header: dict[str, Any], spec: ChunkSpec, bound: int) -> dict[str, Any]:

@@ -29,6 +29,7 @@ faults, outputs are written in place into the final buffer, and decoding is one 
 from __future__ import annotations
 
 import math
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
@@ -225,7 +226,13 @@ class Float16Compression(_LeafCodec):
 
     @classmethod
     def _decode(cls, s: SerializedTensor) -> torch.Tensor:
-        return _read(s.buffer, "<f2", math.prod(s.shape), 0)
+        n = math.prod(s.shape)
+        if s.dtype != "float16" and n and sys.byteorder == "little":
+            view = memoryview(s.buffer)
+            if not view.readonly:  # (a received frame): ``extract``'s cast to the original
+                # dtype makes the owned tensor, so no copy of the float16 values before it
+                return torch.frombuffer(view, dtype=torch.float16, count=n)
+        return _read(s.buffer, "<f2", n, 0)
 
 
 class ScaledFloat16Compression(Float16Compression):

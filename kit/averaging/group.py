@@ -28,6 +28,7 @@ from kit.averaging.declarations import (
     Refusal,
     parse_addresses,
 )
+from kit.averaging.partition import MAX_CHUNK_SCALE
 from kit.errors import GroupMismatch, MalformedFrame
 from kit.p2p import wire
 from kit.p2p.identity import PeerID
@@ -46,6 +47,10 @@ def schema_hash(descriptors: Sequence[tuple[Sequence[int], str, int]]) -> bytes:
     return hashlib.sha256(wire.packb(["kit.averaging/1", body])).digest()[:20]
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
@@ -62,6 +67,7 @@ class GroupInfo:
     weights: tuple[float, ...]  # per member: weight of its vector in the average
     part_sizes: tuple[int, ...]  # per member: elements of the flat vector it aggregates
     addresses: tuple[tuple[str, ...], ...]  # per member: where to dial it
+    chunk_scale: int = 1  # chunks of this round hold chunk_scale x part_size_bytes (partition)
 
     @classmethod
     def assemble(
@@ -70,6 +76,7 @@ class GroupInfo:
         schema: bytes,
         members: Sequence[MemberInfo],
         part_sizes: Sequence[int],
+        chunk_scale: int = 1,
     ) -> GroupInfo:
         return cls(
             group_id,
@@ -80,6 +87,7 @@ class GroupInfo:
             tuple(0.0 if m.auxiliary else float(m.weight) for m in members),
             tuple(part_sizes),
             tuple(m.addresses for m in members),
+            chunk_scale,
         )
 
     def to_wire(self) -> dict[str, Any]:
@@ -92,6 +100,7 @@ class GroupInfo:
             "weights": list(self.weights),
             "part_sizes": list(self.part_sizes),
             "addresses": [list(a) for a in self.addresses],
+            "chunk_scale": self.chunk_scale,
         }
 
     @functools.cached_property
@@ -136,11 +145,9 @@ class GroupInfo:
                 tuple(_bools(body["client_mode"], n)),
                 tuple(_bools(body["auxiliary"], n)),
                 tuple(float(w) if _is_real(w) else math.nan for w in body["weights"]),
-                tuple(
-                    s if isinstance(s, int) and not isinstance(s, bool) else -1
-                    for s in body["part_sizes"]
-                ),
+                tuple(s if _is_int(s) else -1 for s in body["part_sizes"]),
                 tuple(parse_addresses(a) or () for a in body["addresses"]),
+                body["chunk_scale"] if _is_int(body["chunk_scale"]) else -1,
             )
         except (KeyError, TypeError, ValueError) as e:
             raise GroupMismatch(
@@ -176,6 +183,8 @@ class GroupInfo:
                 problems.append(f"member {i} with weight {weight}")
             if size < 0 or (self.client_mode[i] and size > 0):
                 problems.append(f"member {i} aggregating {size} elements")
+        if not 1 <= self.chunk_scale <= MAX_CHUNK_SCALE:
+            problems.append(f"chunks scaled by {self.chunk_scale} (1 to {MAX_CHUNK_SCALE})")
         if sum(self.part_sizes) != total_size:
             problems.append(f"part sizes summing to {sum(self.part_sizes)}, not {total_size}")
         if problems:

@@ -17,7 +17,7 @@ import asyncio
 import hashlib
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from kit.averaging.allreduce import cancel_and_wait
@@ -61,6 +61,9 @@ from kit.p2p.identity import PeerID
 
 logger = logging.getLogger(__name__)
 
+#: (bandwidths of the members, None where not measured; part sizes) -> chunk scale
+ChunkScale = Callable[[Sequence[float | None], Sequence[int]], int]
+
 JOIN_PROTOCOL = "kit/averaging/join/1"
 INVITE_PROTOCOL = "kit/averaging/invite/1"
 
@@ -79,7 +82,11 @@ class MatchmakingDriver:
         group_bits: str = "",
         min_vector_size: int = 0,
         spawn: Callable[[Awaitable[Any]], asyncio.Task[Any]],
+        chunk_scale: ChunkScale | None = None,
     ) -> None:
+        """``chunk_scale(bandwidths, part_sizes)``: how much larger than the schema's the
+        chunks of a group this peer leads are (``partition.chunk_scale``); None: never."""
+        self.chunk_scale = chunk_scale
         self.node, self.peer = node, node.peer
         self.prefix, self.settings, self.schema = prefix, settings, schema
         self.total_size, self.group_bits, self.min_vector_size = (
@@ -271,7 +278,9 @@ class MatchmakingDriver:
             auxiliary=[m.auxiliary for m in members],
         )
         group_id = os.urandom(GROUP_ID_BYTES)
-        return GroupInfo.assemble(group_id, self.schema, members, part_sizes)
+        measured = [m.bandwidth or None for m in members]  # clients' links count here too
+        scale = 1 if self.chunk_scale is None else self.chunk_scale(measured, part_sizes)
+        return GroupInfo.assemble(group_id, self.schema, members, part_sizes, scale)
 
     def withdraw_after_round(self) -> None:
         """The round of the last group found is over: withdraw its declaration if still live."""

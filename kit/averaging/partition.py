@@ -36,6 +36,38 @@ from kit.errors import ConfigError, InvalidChunk, KitUsageError
 logger = logging.getLogger(__name__)
 
 DEFAULT_PART_SIZE_BYTES = 2**19  # hivemind's default: a chunk's size on the wire
+MAX_CHUNK_SCALE = 8  # a round's chunks hold at most this many times part_size_bytes
+CHUNK_SECONDS = 0.01  # a scaled chunk crosses the slowest member's measured bandwidth this fast
+MIN_CHUNKS_PER_PART = 8  # the largest part still streams as this many chunks (the pipeline)
+
+
+def chunk_scale(
+    bandwidths: Sequence[float | None],
+    part_sizes: Sequence[int],
+    chunk_elements: Sequence[int],
+    part_size_bytes: int,
+) -> int:
+    """How many times larger than ``part_size_bytes`` a round's chunks are (a power of two).
+
+    Each chunk is a message, and each message costs the same work whatever its size (a
+    header, a frame, a few wakeups on both ends): on a fast link that work, not the bytes, is
+    what a round waits for with 512 KiB chunks (``benchmarks/allreduce.py``). A larger chunk
+    takes longer to arrive, though, and the first averages wait for it: on a slow link (50
+    Mbit/s, ``benchmarks/wan.py``) 512 KiB already takes ~0.1 s. So the leader scales the
+    chunks up only as far as the slowest member's measured bandwidth (bytes/s of its past
+    rounds; None: not measured yet, scale 1) moves one in ``CHUNK_SECONDS``, and keeps at
+    least ``MIN_CHUNKS_PER_PART`` chunks in the largest part.
+    """
+    known = [b for b in bandwidths if b is not None and b > 0]
+    if len(known) < len(bandwidths) or not known or not part_sizes or not chunk_elements:
+        return 1
+    by_time = CHUNK_SECONDS * min(known) / part_size_bytes
+    by_pipeline = max(part_sizes) / (MIN_CHUNKS_PER_PART * max(chunk_elements))
+    limit = min(float(MAX_CHUNK_SCALE), by_time, by_pipeline)
+    scale = 1
+    while scale * 2 <= limit:
+        scale *= 2
+    return scale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,8 +290,8 @@ class PartReducer:
                 "the accumulator must be a 1-D float32 tensor of at least the part's size"
                 " - help: pass None to allocate one"
             )
-        else:
-            self.accumulator = accumulator[:size].zero_()
+        else:  # not zeroed: a chunk's first contribution is written, not added (one pass less)
+            self.accumulator = accumulator[:size]
         self.weight_sums = [0.0] * len(self.chunks)
         self.delivered: list[set[Hashable]] = [set() for _ in self.chunks]
         self.resolved = [0] * len(self.chunks)  # senders delivered, rejected or excluded
@@ -298,9 +330,13 @@ class PartReducer:
             logger.debug("part %d: dropping %s", self.part_index, problem[1])
             raise InvalidChunk(*problem, completed=self._resolve(chunk_index))
         weight = self.weights[sender]
-        self.accumulator[spec.part_offset : spec.part_offset + spec.size].add_(
-            values.to("cpu"), alpha=weight
-        )
+        total = self.accumulator[spec.part_offset : spec.part_offset + spec.size]
+        if self.delivered[chunk_index]:
+            total.add_(values.to("cpu"), alpha=weight)
+        elif values.dtype == torch.float32:  # the first contribution: written, not added
+            torch.mul(values.to("cpu"), weight, out=total)
+        else:  # (torch.mul would multiply in float16, then widen: widen first)
+            total.copy_(values.to("cpu")).mul_(weight)
         self.weight_sums[chunk_index] += weight
         self.delivered[chunk_index].add(sender)
         return self._resolve(chunk_index)

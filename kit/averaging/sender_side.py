@@ -4,8 +4,9 @@ Holds ``SenderSide``: for each other aggregator of the group, this peer opens on
 (``chunk_stream.PROTOCOL``), sends the round's header and then that part's chunks of its own
 vector in order, compressed, while it reads the averages coming back on the same stream. Each
 average is checked (the chunk expected, a peer set within the group's senders, finite values)
-and lands in ``staging``, a flat copy of the tensors that the round writes into the tensors only
-when it ends (``AllReduceRunner._commit``: all or nothing per part). With a lossy codec the
+and kept, staged, as the values the round writes into the tensors only when it ends
+(``AllReduceRunner._commit``: all or nothing per part): raw values in the very frame they
+arrived in (no copy before the commit), others as decoded. With a lossy codec the
 aggregator sends ``delta`` (the compressed difference between the average and what this peer
 sent), added here to this peer's exact values: one rounding of a small difference instead of a
 second rounding of the whole average (``kit.averaging.averages``).
@@ -28,12 +29,14 @@ import torch
 from kit.averaging.chunk_stream import (
     PROTOCOL,
     RoundBuffers,
+    chunk_head,
     decode_chunk,
     decode_peer_set,
     is_raw,
     payload_bound,
-    receive_header,
-    receive_into,
+    payload_of,
+    receive_chunk,
+    send_chunk,
     tensor_header,
 )
 from kit.averaging.compression import CompressionBase, is_finite
@@ -79,13 +82,13 @@ class SenderSide:
         self.tensors, self.plan, self.compression = tensors, plan, compression
         self.buffers, self.tasks, self.timeouts = buffers, tasks, tasks.timeouts
         self.sender_bits, self._unreachable, self._abort = sender_bits, unreachable, abort
-        self.staging = buffers.staging_for(tensors)  # the averages of the other parts land here
+        self.averages: dict[tuple[int, int], torch.Tensor] = {}  # (part, chunk): staged values
         self.bytes_sent = 0
         self.bytes_received = 0
 
     def staged(self, spec: ChunkSpec) -> torch.Tensor:
         """The received average of chunk ``spec`` (flat)."""
-        return self.staging[spec.tensor_index][spec.tensor_offset : spec.tensor_offset + spec.size]
+        return self.averages[(spec.part_index, spec.chunk_index)]
 
     async def exchange_part(self, k: int) -> PartReport:
         """Send part ``k`` to its aggregator and stage the averages it sends back.
@@ -142,10 +145,8 @@ class SenderSide:
         for spec, view in self.plan.iter_part(self.tensors, k):
             serialized = self.compression.compress(view, self.plan.compression_info(spec))
             payload = memoryview(serialized.buffer).cast("B")
-            chunk_header = {"chunk": spec.chunk_index, **serialized.header()}
-            timeout = self.tasks.remaining(self.timeouts.reducer)
-            await stream.send_message(wire.packb(chunk_header), timeout=timeout)
-            await stream.send_message(payload, timeout=timeout)
+            head = chunk_head({"chunk": spec.chunk_index, **serialized.header()})
+            await send_chunk(stream, head, payload, self.tasks.remaining(self.timeouts.reducer))
             self.bytes_sent += len(payload)
         self.tasks.mark(f"queued_part{k}")  # all handed to the connection (not yet on the wire)
         await stream.close()
@@ -155,46 +156,41 @@ class SenderSide:
         allowed = sum(self.sender_bits.values())
         for spec in self.plan.parts[k]:
             timeout = self.tasks.remaining(self.timeouts.reducer)
-            header = await receive_header(stream, timeout)
-            mask = None if header is None else decode_peer_set(header.get("peers"))
-            if header is None or header["chunk"] != spec.chunk_index:
+            bound = payload_bound(spec, self.plan.tensors[spec.tensor_index].dtype.itemsize)
+            received = await receive_chunk(stream, bound, timeout)
+            if received is None or received[0]["chunk"] != spec.chunk_index:
                 raise RemoteProtocolError(f"expected the average of chunk {spec.chunk_index}")
+            header, payload = received
+            mask = decode_peer_set(header.get("peers"))
             if mask is None or mask & ~allowed:
                 raise RemoteProtocolError(f"chunk {spec.chunk_index}: bad peer set {mask!r:.40}")
             if mask:
-                await self._receive_average(stream, header, spec, timeout)
+                self._stage_average(header, payload, spec)
+            elif len(payload):
+                raise RemoteProtocolError(f"chunk {spec.chunk_index}: a payload, yet no peers")
             chunk_peers.append(frozenset(p for p, bit in self.sender_bits.items() if mask & bit))
             if len(chunk_peers) == 1:
                 self.tasks.mark(f"first_average_of_part{k}")
         self.tasks.mark(f"got_part{k}")
         return tuple(chunk_peers)
 
-    async def _receive_average(
-        self, stream: StreamAPI, header: dict[str, Any], spec: ChunkSpec, timeout: float | None
-    ) -> None:
+    def _stage_average(self, header: dict[str, Any], payload: memoryview, spec: ChunkSpec) -> None:
+        """Check a received average (or this peer's difference to it) and stage it."""
         dtype = self.plan.tensors[spec.tensor_index].dtype
-        target = self.staged(spec)
         delta = header.get("delta", False)
         if not isinstance(delta, bool):
             raise RemoteProtocolError(f"chunk {spec.chunk_index}: delta must be true or false")
         codec_header = tensor_header(header, spec, payload_bound(spec, dtype.itemsize))
-        if not delta and is_raw(codec_header, spec, dtype):
-            await receive_into(stream, target.view(torch.uint8).numpy().data, timeout)
-            self.bytes_received += codec_header["nbytes"]
-            if not is_finite(target):
-                raise InvalidTensor(f"the average of chunk {spec.chunk_index} holds NaN or inf")
-            return
-        buffer = self.buffers.take(codec_header["nbytes"])
-        try:
-            view = memoryview(buffer)[: codec_header["nbytes"]]
-            await receive_into(stream, view, timeout)
-            self.bytes_received += len(view)
-            values = decode_chunk(codec_header, view, spec, dtype)
-        finally:
-            self.buffers.give_back(buffer)
-        if delta:  # our exact values plus the compressed difference to the average
-            torch.add(self.plan.chunk_view(self.tensors, spec), values, out=target)
-            if not is_finite(target):
+        payload = payload_of(codec_header, payload)
+        self.bytes_received += len(payload)
+        if not delta and is_raw(codec_header, spec, dtype):  # the frame's buffer is ours
+            values = torch.frombuffer(payload, dtype=dtype, count=spec.size)
+            if not is_finite(values):
                 raise InvalidTensor(f"the average of chunk {spec.chunk_index} holds NaN or inf")
         else:
-            target.copy_(values)
+            values = decode_chunk(codec_header, payload, spec, dtype)  # a new tensor
+            if delta:  # our exact values plus the compressed difference to the average
+                values.add_(self.plan.chunk_view(self.tensors, spec))
+                if not is_finite(values):
+                    raise InvalidTensor(f"the average of chunk {spec.chunk_index} holds NaN or inf")
+        self.averages[(spec.part_index, spec.chunk_index)] = values

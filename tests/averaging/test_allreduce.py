@@ -20,7 +20,7 @@ import torch
 
 from kit.averaging.allreduce import AllReduceRunner, Timeouts
 from kit.averaging.balancing import load_balance_peers
-from kit.averaging.chunk_stream import PROTOCOL, RoundBuffers
+from kit.averaging.chunk_stream import PROTOCOL, RoundBuffers, chunk_head, send_chunk
 from kit.averaging.compression import (
     BlockwiseQuantization,
     CompressionBase,
@@ -302,8 +302,7 @@ async def send_raw(
     stream: StreamAPI, chunks: Sequence[tuple[dict[str, Any], bytes]], *, close: bool = True
 ) -> None:
     for header, payload in chunks:
-        await stream.send_message(wire.packb(header), timeout=1.0)
-        await stream.send_message(payload, timeout=1.0)
+        await send_chunk(stream, chunk_head(header), memoryview(payload), timeout=1.0)
     if close:
         await stream.close()
 
@@ -435,10 +434,8 @@ class DyingAggregator(AllReduceRunner):
         assert self._averages is not None
         for chunk in range(2):
             await self._wait_progress(chunk, 2.0) if chunk >= self._ready else None
-            header, payload = self._averages.for_sender(sender, chunk)
-            await stream.send_message(header, timeout=1.0)
-            if payload is not None:
-                await stream.send_message(payload, timeout=1.0)
+            head, payload = self._averages.for_sender(sender, chunk)
+            await send_chunk(stream, head, payload, timeout=1.0)
         await asyncio.sleep(0.05)
         await self.peer.shutdown()  # type: ignore[attr-defined]
 

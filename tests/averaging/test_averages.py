@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kit.averaging.averages import OutgoingAverages, is_lossless
-from kit.averaging.chunk_stream import decode_chunk
+from kit.averaging.chunk_stream import decode_chunk, parse_chunk
 from kit.averaging.compression import (
     CompressionInfo,
     Float16Compression,
@@ -16,7 +16,6 @@ from kit.averaging.compression import (
     Uniform8BitQuantization,
 )
 from kit.averaging.partition import PartitionPlan, PartReducer
-from kit.p2p import wire
 
 
 def reducer_of(values: dict[str, torch.Tensor]) -> tuple[PartitionPlan, PartReducer]:
@@ -31,7 +30,7 @@ def reducer_of(values: dict[str, torch.Tensor]) -> tuple[PartitionPlan, PartRedu
 def decoded(
     encoded: tuple[bytes, memoryview | None], plan: PartitionPlan
 ) -> tuple[dict, torch.Tensor]:
-    header = wire.unpackb(encoded[0], "header")
+    header, _ = parse_chunk([memoryview(encoded[0])])
     assert encoded[1] is not None
     codec = {k: header[k] for k in ("codec", "dtype", "shape", "nbytes")}
     return header, decode_chunk(codec, encoded[1], plan.parts[0][0], torch.float32)
@@ -72,7 +71,7 @@ def test_nobody_delivered_means_an_empty_answer() -> None:
     reducer.exclude("a")
     averages = OutgoingAverages(plan, reducer, Float16Compression(), {"a": 1})
     averages.complete(0)
-    header = wire.unpackb(averages.for_sender("a", 0)[0], "header")
+    header, _ = parse_chunk([memoryview(averages.for_sender("a", 0)[0])])
     assert header == {"chunk": 0, "peers": 0} and averages.for_sender("a", 0)[1] is None
 
 

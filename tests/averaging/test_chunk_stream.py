@@ -3,14 +3,20 @@ checks shape and dtype, and buffers are reused."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
 from kit.averaging.chunk_stream import (
     RoundBuffers,
+    chunk_head,
     decode_chunk,
     is_raw,
     payload_bound,
+    payload_of,
+    receive_chunk,
+    send_chunk,
     tensor_header,
 )
 from kit.averaging.compression import (
@@ -23,7 +29,9 @@ from kit.averaging.compression import (
     Uniform8BitQuantization,
 )
 from kit.averaging.partition import ChunkSpec
-from kit.errors import InvalidTensor, RemoteProtocolError
+from kit.errors import FrameTooLarge, InvalidTensor, RemoteProtocolError
+from kit.p2p.api import StreamAPI
+from kit.p2p.memory import MemoryNetwork
 
 CODECS = [
     NoCompression(),
@@ -87,12 +95,98 @@ def test_sizes_are_checked_before_anything_is_allocated_or_decoded() -> None:
 
 def test_round_buffers_are_reused() -> None:
     buffers = RoundBuffers()
-    tensors = [torch.zeros(5), torch.zeros(3, dtype=torch.float16)]
-    staging = buffers.staging_for(tensors)
-    assert [(s.numel(), s.dtype) for s in staging] == [(5, torch.float32), (3, torch.float16)]
-    assert buffers.staging_for(tensors) is staging
     accumulator = buffers.accumulator_for(100)
     assert buffers.accumulator_for(50) is accumulator
-    buffer = buffers.take(64)
-    buffers.give_back(buffer)
-    assert buffers.take(32) is buffer and len(buffers.take(32)) == 32
+
+
+class PartsStream:
+    """A stream whose messages arrive as given frames (as kit.p2p's streams hand them out)."""
+
+    def __init__(self, *messages: list[bytes]) -> None:
+        self.messages = [[memoryview(bytearray(frame)) for frame in m] for m in messages]
+        self.sent: list[tuple[bytes | memoryview, ...]] = []
+
+    async def send_message(self, data: object, *, timeout: float | None = None) -> None:
+        self.sent.append(tuple(data) if isinstance(data, tuple) else (data,))  # type: ignore[arg-type]
+
+    async def receive_message_parts(
+        self, *, max_size: int, timeout: float | None = None
+    ) -> list[memoryview] | None:
+        if not self.messages:
+            return None
+        parts = self.messages.pop(0)
+        if sum(len(part) for part in parts) > max_size:
+            raise FrameTooLarge(f"more than {max_size}")
+        return parts
+
+    async def receive_message(self, **kwargs: object) -> bytes | None:
+        raise AssertionError("chunks are read as parts")
+
+    async def close(self) -> None: ...
+
+    def reset(self, code: str = "cancelled", message: str = "") -> None: ...
+
+
+async def test_a_chunk_is_one_message_read_from_its_frame_without_a_copy() -> None:
+    payload = torch.arange(6, dtype=torch.float32)
+    head = chunk_head({"chunk": 3, "nbytes": 24})
+    stream = PartsStream()
+    await send_chunk(stream, head, memoryview(payload.numpy()).cast("B"), timeout=1.0)
+    (sent,) = stream.sent
+    assert sent[0] == head and len(sent) == 2  # header and payload go out as one message, uncopied
+    frame = head + payload.numpy().tobytes()
+    for frames in ([frame], [frame[:5], frame[5:]], [frame[: len(head) + 7], frame[len(head) + 7 :]]):
+        received = await receive_chunk(PartsStream(frames), 24, timeout=1.0)
+        assert received is not None
+        header, view = received
+        assert header == {"chunk": 3, "nbytes": 24} and not view.readonly
+        assert torch.equal(torch.frombuffer(view, dtype=torch.float32), payload)
+    whole = memoryview(bytearray(frame))
+    one = PartsStream()
+    one.messages = [[whole]]
+    header, view = await receive_chunk(one, 24, timeout=1.0)  # type: ignore[misc]
+    assert view.obj is whole.obj  # the payload is a view of the frame: no copy
+    assert await receive_chunk(PartsStream(), 24, timeout=1.0) is None
+
+
+@pytest.mark.parametrize(
+    ("frame", "problem"),
+    [
+        (b"\x00", "no header"),
+        (b"\x20\x00" + b"x" * 10, "chunk header of 8192 bytes"),
+        (b"\x00\x05abc", "chunk header of 5 bytes"),
+        (b"\x00\x01\xc1", "not valid msgpack"),
+        (chunk_head({"chunk": "3"}), "field 'chunk'"),
+    ],
+)
+async def test_malformed_chunk_messages_are_typed_errors(frame: bytes, problem: str) -> None:
+    with pytest.raises(RemoteProtocolError, match=problem):
+        await receive_chunk(PartsStream([frame]), 100, timeout=1.0)
+    with pytest.raises(FrameTooLarge):
+        await receive_chunk(PartsStream([chunk_head({"chunk": 0}) + bytes(5000)]), 100, timeout=1.0)
+    header = {"chunk": 0, "nbytes": 8}
+    with pytest.raises(RemoteProtocolError, match="expected a payload of 8 bytes, got 4"):
+        payload_of(header, memoryview(bytes(4)))
+
+
+async def test_streams_that_take_one_buffer_get_the_chunk_joined() -> None:
+    network = MemoryNetwork()
+    a, b = await network.create_peer(), await network.create_peer()
+    received: list[tuple[dict, bytes]] = []
+
+    async def serve(stream: StreamAPI) -> None:
+        result = await receive_chunk(stream, 16, timeout=2.0)
+        assert result is not None
+        received.append((result[0], bytes(result[1])))
+
+    b.add_stream_handler("test/chunk", serve)
+    a.add_address(b.peer_id, f"memory://{b.peer_id.to_base58()}")
+    stream = await a.open_stream(b.peer_id, "test/chunk", timeout=2.0)
+    await send_chunk(stream, chunk_head({"chunk": 1}), memoryview(b"0123456789abcdef"), 2.0)
+    for _ in range(200):
+        if received:
+            break
+        await asyncio.sleep(0.01)
+    assert received == [({"chunk": 1}, b"0123456789abcdef")]
+    await a.shutdown()
+    await b.shutdown()

@@ -61,6 +61,8 @@ def test_group_round_trips_and_every_member_computes_the_same_hash() -> None:
     assert sent.index(pid(3)) == 2 and sent.index(pid(9)) is None and len(sent) == 3
     other = GroupInfo.assemble(b"h" * 16, SCHEMA, members(), [20, 0, 10])
     assert other.hash != sent.hash  # another round: another hash
+    scaled = GroupInfo.assemble(b"g" * 16, SCHEMA, members(), [20, 0, 10], chunk_scale=4)
+    assert receive(scaled.to_wire()).chunk_scale == 4 and scaled.hash != sent.hash
 
 
 @pytest.mark.parametrize(
@@ -78,6 +80,9 @@ def test_group_round_trips_and_every_member_computes_the_same_hash() -> None:
         ({"peers": [pid(3).to_bytes(), pid(2).to_bytes(), pid(1).to_bytes()]}, "not its first"),
         ({"peers": [pid(1).to_bytes()] * 3}, "duplicates"),
         ({"weights": [1.0]}, "different lengths"),
+        ({"chunk_scale": 0}, "chunks scaled by 0"),
+        ({"chunk_scale": 64}, "chunks scaled by 64"),
+        ({"chunk_scale": True}, "chunks scaled by -1"),
     ],
 )
 def test_received_groups_are_checked(change: dict, problem: str) -> None:

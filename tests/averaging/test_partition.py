@@ -17,6 +17,7 @@ from kit.averaging.partition import (
     PartReport,
     RoundReport,
     apply_averaged,
+    chunk_scale,
     max_chunk_elements,
 )
 from kit.errors import ConfigError, InvalidChunk, KitUsageError
@@ -88,6 +89,26 @@ def test_chunk_elements_follow_the_wire_size() -> None:
     assert max_chunk_elements(descriptor) == 2**19 // 4
     assert max_chunk_elements(descriptor, C.Uniform8BitQuantization()) == 2**19
     assert max_chunk_elements(descriptor, C.Float16Compression(), part_size_bytes=100) == 50
+
+
+MIB = 2**20
+
+
+@pytest.mark.parametrize(
+    ("bandwidths", "part_sizes", "expected"),
+    [
+        ([None, 8e8], [4_500_000] * 2, 1),  # a member not measured yet: hivemind's 512 KiB
+        ([8e8, 8e8], [4_500_000] * 4, 4),  # loopback (~800 MB/s): as many as 8 chunks allow
+        ([8e8, 8e8], [50_000_000] * 4, 8),  # a large vector: capped at 8 x 512 KiB
+        ([8e8, 6.25e6], [50_000_000] * 4, 1),  # one member on 50 Mbit/s: 512 KiB (wan.py)
+        ([8e8, 1.25e8], [50_000_000] * 4, 2),  # a 1 Gbit/s member: 1 MiB moves in ~10 ms
+        ([8e8, 8e8], [100_000, 0], 1),  # a small part: the pipeline needs several chunks
+    ],
+)
+def test_chunks_scale_with_the_slowest_measured_bandwidth(
+    bandwidths: list[float | None], part_sizes: list[int], expected: int
+) -> None:
+    assert chunk_scale(bandwidths, part_sizes, [MIB // 8], MIB // 2) == expected
 
 
 def run_part(
