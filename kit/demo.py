@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 DEMO_DOCUMENTS = 4_000
 #: Token ids per served shard: the demo corpus becomes ~10 shards, so volunteers start apart.
 DEMO_SHARD_TOKENS = 1 << 16
+#: Checkpoints the demo's coordinator keeps (every one of a demo's run: ~3 MB each).
+DEMO_KEPT_CHECKPOINTS = 100
 
 
 def write_corpus(folder: Path, documents: int = DEMO_DOCUMENTS, seed: int = 0) -> list[Path]:
@@ -67,8 +69,13 @@ def prepare(work_dir: Path, *, documents: int = DEMO_DOCUMENTS) -> tuple[RunConf
     config = dataclasses.replace(
         config,
         tokenizer=dataclasses.replace(config.tokenizer, output_dir=str(tokenizer_dir)),
+        # An absolute folder: the coordinator takes a relative one from its state dir, so a
+        # relative `--work-dir demo` would nest demo/coordinator/demo/coordinator/checkpoints.
+        # Every checkpoint is kept: the evaluation notebook compares the first with the newest.
         checkpoint=dataclasses.replace(
-            config.checkpoint, folder=str(work_dir / "coordinator" / "checkpoints")
+            config.checkpoint,
+            folder=str((work_dir / "coordinator" / "checkpoints").resolve()),
+            keep_last=DEMO_KEPT_CHECKPOINTS,
         ),
     )
     config.to_file(work_dir / "run.yaml")

@@ -8,8 +8,10 @@ Three questions a researcher asks of a collaborative run, one function each:
 * :func:`evaluate_series` - is the run on track? The same (or the cheap masked-LM loss) for
   every checkpoint of the run, plotted against the training step.
 * :func:`masked_lm_loss` - what is one checkpoint's held-out masked-LM loss and perplexity?
-* :func:`plan_evaluation` - what the notebook runs by default on this device (CPU: the run's
-  checkpoint, one seed, no baselines; GPU: the paper's set) and how long it will take.
+* :func:`plan_evaluation` - what the notebook runs by default on this device (CPU: the quick
+  profile, the run's first and newest checkpoints on 2,000 training and 1,000 test examples per
+  task, 3 epochs, one seed, no baselines, and what that leaves out; GPU: the paper's protocol)
+  and how long it will take.
 
 :func:`run` does the first two for the notebook's single call. The pieces live in
 ``kit/evaluation/`` (checkpoints, tasks, metrics, finetune, mlm, report); this module only wires
@@ -47,7 +49,9 @@ from kit.evaluation.plan import (
     EvaluationPlan,
     plan_evaluation,
     run_checkpoint,
+    run_checkpoints,
 )
+from kit.evaluation.profile import CPU_QUICK, QuickProfile
 from kit.evaluation.report import (
     PAPER_RESULTS,
     ModelRow,
@@ -68,6 +72,7 @@ from kit.training.checkpoint_format import (
 __all__ = [
     "CHECKPOINT_FOLDER_FORMAT",
     "CHECKPOINT_INFO_FILE",
+    "CPU_QUICK",
     "DEFAULT_BASELINES",
     "PAPER_RESULTS",
     "SAHAJBERT",
@@ -79,6 +84,7 @@ __all__ = [
     "FinetuneConfig",
     "MaskedLMResult",
     "MeanStd",
+    "QuickProfile",
     "ResultsTable",
     "RunResult",
     "SeriesPoint",
@@ -98,6 +104,7 @@ __all__ = [
     "read_checkpoint_info",
     "run",
     "run_checkpoint",
+    "run_checkpoints",
     "write_checkpoint_info",
 ]
 
@@ -119,6 +126,7 @@ def compare(
     token: str | None = None,
     endpoint: str | None = None,
     progress: bool = True,
+    protocol: str | None = None,
 ) -> ResultsTable:
     """Fine-tune every model (then every baseline) on every task with N seeds; the paper's table.
 
@@ -136,6 +144,8 @@ def compare(
         token: Hub token for private repos.
         endpoint: Hub URL (default ``HF_ENDPOINT``).
         progress: show tqdm bars.
+        protocol: how the numbers were obtained when not by the paper's protocol (the plan's
+            ``protocol``: "CPU quick profile: ..."); the table shows it in a column.
 
     Raises:
         UnknownTask, DatasetSchemaError, CheckpointError, VocabularyMismatch, ConfigError.
@@ -165,7 +175,9 @@ def compare(
             for spec in specs
         }
         rows.append(ModelRow(checkpoint.label, checkpoint.source, checkpoint.revision, runs))
-    table = ResultsTable(tuple(spec.name for spec in specs), tuple(rows), asdict(config))
+    table = ResultsTable(
+        tuple(spec.name for spec in specs), tuple(rows), asdict(config), protocol=protocol
+    )
     logger.info("fine-tuning results (%d seeds):\n%s", len(seed_list), table.format())
     if output_dir is not None:
         table.save(output_dir)
@@ -348,6 +360,7 @@ def run(
     token: str | None = None,
     endpoint: str | None = None,
     progress: bool = True,
+    protocol: str | None = None,
 ) -> EvaluationReport:
     """The notebook's one call: :func:`compare` the checkpoints, then :func:`evaluate_series`.
 
@@ -368,6 +381,7 @@ def run(
             token=token,
             endpoint=endpoint,
             progress=progress,
+            protocol=protocol,
         )
     result = None
     if series is not None:

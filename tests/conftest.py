@@ -1,4 +1,5 @@
-"""Shared test settings: one scalable time unit, ``async def`` tests, no network beyond loopback.
+"""Shared test settings: one scalable time unit, ``async def`` tests, no network beyond loopback;
+one real ``kit demo`` run for the tests that judge its checkpoints (``demo_run``).
 
 ``async def test_...`` functions run in a fresh event loop each (``asyncio.run``), bounded by
 ``ASYNC_TEST_TIMEOUT`` seconds (or ``@pytest.mark.async_timeout(seconds)``), so a hung test fails
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
+from pathlib import Path
 
 import pytest
 
@@ -33,3 +35,37 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     arguments = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
     asyncio.run(asyncio.wait_for(pyfuncitem.obj(**arguments), timeout))
     return True
+
+
+#: Seconds of training of the tests' ``kit demo``: its coordinator saves about every 30 s, from
+#: about 40 s on, so this leaves two checkpoints or more (one at the least on a loaded machine).
+DEMO_SECONDS = 80
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder of one real ``kit demo --work-dir`` run (run.yaml, coordinator/checkpoints/),
+    shared by the tests that judge its checkpoints (about 100 s, once per session)."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    work = tmp_path_factory.mktemp("demo-run") / "demo"
+    log = work.parent / "demo.log"
+    command = [sys.executable, "-m", "kit", "demo", "--work-dir", str(work)]
+    command += ["--duration", str(DEMO_SECONDS), "--peers", "2"]
+    # This checkout's kit, also for the volunteers it starts in folders of their own.
+    path = os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))
+    with log.open("w") as output:  # a file: a full pipe would stall the demo
+        subprocess.run(
+            command,
+            cwd=repo,
+            env=dict(os.environ, PYTHONPATH=path),
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            timeout=DEMO_SECONDS + 240,
+            check=False,  # its loss verdict is test_demo's business; its checkpoints are ours
+        )
+    saved = sorted((work / "coordinator" / "checkpoints").glob("step_*/kit_checkpoint.json"))
+    assert saved, log.read_text()[-3000:]
+    return work

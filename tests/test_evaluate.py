@@ -180,32 +180,37 @@ def test_bad_seeds_and_nothing_to_do(inputs: dict) -> None:
         evaluate.evaluate_series(inputs["root"], max_points=0)
 
 
+#: The whole notebook on the demo's checkpoints with tiny task data (~1 min; its normal run here).
+NOTEBOOK_TIMEOUT = 300
+
+
 @pytest.mark.notebooks
-def test_notebook_on_a_cpu_judges_the_runs_checkpoint_once_and_says_how_long_first(
-    inputs: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.processes
+@pytest.mark.timeout(NOTEBOOK_TIMEOUT + 400)  # + the session's one `kit demo` run, if first
+def test_evaluate_notebook_cpu_quick_profile_judges_the_demos_first_and_newest_checkpoints(
+    inputs: dict, demo_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """notebooks/evaluate.ipynb headless with its CPU defaults (CHECKPOINTS, SEEDS, BASELINES,
+    FINETUNE as shipped) on what `kit demo --work-dir` left, with tiny local task data: the plan
+    is printed first, and the table carries the quick profile's column, whose numbers are the
+    plan's (the profile's 2,000 / 1,000, cut to the tiny splits' 48 / 16)."""
     import nbformat
     from nbclient import NotebookClient
 
-    from kit.config import RunConfig
-
-    run = tmp_path / "checkpoints"
-    for step, seed in ((10, 1), (20, 2)):
-        folder = tiny.make_checkpoint(run / f"step_{step:06d}", inputs["tokenizer"], seed=seed)
-        evaluate.write_checkpoint_info(folder, step=step, loss=10.0 / step)
-    config = RunConfig.tiny_demo()  # the run the organizer wrote, checkpoints saved here
-    run_yaml = tmp_path / "run.yaml"
-    RunConfig.from_dict(
-        {**config.to_dict(), "checkpoint": {**config.to_dict()["checkpoint"], "folder": str(run)}}
-    ).to_file(run_yaml)
+    series = evaluate.list_checkpoints(demo_run / "coordinator" / "checkpoints")
+    judged = [series[0], series[-1]] if len(series) > 1 else series[-1:]
+    labels = [f"this run (step {checkpoint.step})" for checkpoint in judged]
+    datasets = {task: source.path for task, source in inputs["datasets"].items()}
+    plan = evaluate.plan_evaluation(run=demo_run, datasets=inputs["datasets"], device="cpu")
+    assert [c.label for c in plan.checkpoints] == labels
+    assert plan.protocol == "CPU quick profile: 48 train, 16 test, 1 seed"
+    column = f"({plan.protocol})"
     notebook = nbformat.read(REPO / "notebooks" / "evaluate.ipynb", as_version=4)
     (parameters,) = [c for c in notebook.cells if "parameters" in c.metadata.get("tags", [])]
-    datasets = {task: source.path for task, source in inputs["datasets"].items()}
-    for name, value in {  # the defaults stay: CHECKPOINTS, SEEDS and BASELINES are None
-        "RUN_YAML, STATE_DIR": (str(run_yaml), str(tmp_path)),
-        "SERIES": str(run),
+    for name, value in {  # everything else as shipped: CPU defaults
+        "RUN": str(demo_run),
+        "SERIES": str(demo_run / "coordinator" / "checkpoints"),
         "DATASETS": datasets,
-        "FINETUNE": {"num_epochs": 2, "batch_size": 8, "learning_rate": 1e-2, "device": "cpu"},
         "OUTPUT_DIR": str(tmp_path / "out"),
     }.items():
         source, found = re.subn(
@@ -213,16 +218,22 @@ def test_notebook_on_a_cpu_judges_the_runs_checkpoint_once_and_says_how_long_fir
         )
         assert found == 1, name
         parameters.source = source
-    assert re.search(r"^CHECKPOINTS = None$", parameters.source, re.M)
-    assert re.search(r"^SEEDS = None$", parameters.source, re.M)
-    assert re.search(r"^BASELINES = None$", parameters.source, re.M)
+    for name in ("CHECKPOINTS", "SEEDS", "BASELINES", "STATE_DIR"):
+        assert re.search(rf"^{name} = None$", parameters.source, re.M), name
+    assert re.search(r"^FINETUNE = \{\}$", parameters.source, re.M)
+    monkeypatch.setenv("PYTHONPATH", str(REPO))  # this checkout's kit, from any folder
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets-cache"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TQDM_DISABLE", "1")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # a CPU, even on a GPU machine
+    workdir = tmp_path / "notebooks"  # where Binder runs it: not the repository root
+    workdir.mkdir()
     NotebookClient(
-        notebook, kernel_name="python3", timeout=240, resources={"metadata": {"path": str(REPO)}}
+        notebook,
+        kernel_name="python3",
+        timeout=NOTEBOOK_TIMEOUT,
+        resources={"metadata": {"path": str(workdir)}},
     ).execute()
     outputs = [
         output
@@ -230,17 +241,34 @@ def test_notebook_on_a_cpu_judges_the_runs_checkpoint_once_and_says_how_long_fir
         if cell.cell_type == "code"
         for output in cell.get("outputs", [])
     ]
+    assert not [o for o in outputs if o.get("output_type") == "error"]
     printed = "".join(o.get("text", "") for o in outputs if o.get("name") == "stdout")
     first = printed.splitlines()[0]
-    assert first.startswith("On the CPU: 1 model(s) (no baselines) x 2 task(s) x 1 seed(s)"), first
-    assert "step_000020" in first and re.search(r"Estimated time: \d+ (s|min)", first), first
+    models = f"{len(judged)} model(s) (no baselines) x 2 task(s) x 1 seed(s)"
+    assert first.startswith(f"On the CPU: {models}"), first
+    assert ", ".join(labels) in first and re.search(r"Estimated time: \d+ (s|min)", first)
+    assert f"{plan.protocol}, 3 epoch(s)." in first, first
+    assert "Not done here:" in first and "epochs 4-20" in first and "2 more seed(s)" in first
+    assert "the baselines (sahajBERT, XLM-R large, IndicBERT, bnRoBERTa)" in first
     shown = [o for o in outputs if o.get("output_type") == "display_data"]
-    markdown = [o["data"]["text/markdown"] for o in shown if "text/markdown" in o["data"]]
-    assert any("this run (step_000020)" in text and "(paper)" in text for text in markdown)
-    assert any("image/png" in o["data"] for o in shown)
+    (table,) = [o["data"]["text/markdown"] for o in shown if "text/markdown" in o["data"]]
+    lines = table.splitlines()
+    assert lines[0] == "| Model | NER F1 | NCC Acc | Protocol |", lines[0]
+    for label, line in zip(labels, lines[2:], strict=False):
+        assert line.startswith(f"| {label} | ") and line.endswith(f" | {column} |"), line
+    assert "| sahajBERT (paper) | 95.45 ± 0.53 | 91.97 ± 0.47 | (paper: all data, 3 seeds) |" in (
+        lines
+    )
+    assert any("image/png" in o["data"] for o in shown)  # the series plot
     with (tmp_path / "out" / "runs.csv").open() as file:
         runs = list(csv.DictReader(file))
-    assert len(runs) == 2 and {row["seed"] for row in runs} == {"0"}  # one seed, two tasks
+    assert [(row["model"], row["task"], row["seed"]) for row in runs] == [
+        (label, task, "0") for label in labels for task in ("ner", "ncc")
+    ]
+    assert all(int(row["epochs_run"]) <= 3 for row in runs)  # the profile's epochs
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert saved["protocol"] == plan.protocol
+    assert saved["config"]["max_train_examples"] == 2_000 and saved["config"]["num_epochs"] == 3
     assert (tmp_path / "out" / "series.png").exists()
 
 
@@ -249,20 +277,18 @@ def test_the_plan_follows_the_device_and_estimates_from_one_timed_step(
 ) -> None:
     from kit.evaluation.plan import SPLIT_SIZES
 
-    cpu = evaluate.plan_evaluation(
-        run_yaml=tmp_path / "none.yaml", device="cpu", step=lambda *_: 0.5
-    )
+    cpu = evaluate.plan_evaluation(run=tmp_path / "none", device="cpu", step=lambda *_: 0.5)
     assert [c.source for c in cpu.checkpoints] == ["neuropark/sahajBERT"]  # no run here
     assert cpu.baselines == () and cpu.seeds == 1
+    # The CPU quick profile: 2,000 training and 1,000 validation/test examples, 3 epochs.
+    quick = sum((math.ceil(2_000 / 32) + math.ceil(2_000 / 64) * 0.35) * 3 for _ in SPLIT_SIZES)
+    assert cpu.seconds == pytest.approx(quick * 0.5)
     steps = sum(
         (math.ceil(size["train"] / 32) + math.ceil((size["validation"] + size["test"]) / 64) * 0.35)
         * 20
         for size in SPLIT_SIZES.values()
     )
-    assert cpu.seconds == pytest.approx(steps * 0.5)
-    gpu = evaluate.plan_evaluation(
-        run_yaml=tmp_path / "none.yaml", device="cuda", step=lambda *_: 0.01
-    )
+    gpu = evaluate.plan_evaluation(run=tmp_path / "none", device="cuda", step=lambda *_: 0.01)
     names = [c.name for c in gpu.baselines]
     assert names == ["sahajBERT", "XLM-R large", "IndicBERT", "bnRoBERTa"] and gpu.seeds == 3
     assert gpu.checkpoints == () and gpu.seconds == pytest.approx(steps * 0.01 * 3 * 4)

@@ -6,7 +6,8 @@
   a fake Hugging Face Hub with the ``HF_TOKEN`` the kernel inherits: it trains in the background,
   shows up on the leaderboard, and stops cleanly. A wrong token in the login widget gives one
   readable line, not a traceback.
-* ``binder/``: CPU torch pinned like requirements.txt, kit installed with its notebook extras.
+* ``binder/``: CPU torch pinned like requirements.txt, kit installed with its notebook extras
+  (the environment built and both notebooks run in it: ``tests/test_binder.py``).
 """
 
 from __future__ import annotations

@@ -10,8 +10,11 @@ Map of the package (each module imports only those above it):
                     classification): dataset loading, schema checks, tokenization
     finetune.py     the plain torch fine-tuning loop and its frozen ``FinetuneConfig``
     mlm.py          masked-LM loss / perplexity of a checkpoint on held-out text
-    plan.py         what the notebook runs by default on this device (the paper's baselines,
-                    seeds) and how long it will take
+    profile.py      the CPU quick profile (a subset, few epochs, one seed) and what it leaves
+                    out of the paper's protocol (pure)
+    plan.py         what the notebook runs by default on this device (CPU: the quick profile
+                    on the run's first and newest checkpoints; GPU: the paper's protocol) and
+                    how long it will take
     report.py       the paper-style table, the metric-vs-step plot, JSON/CSV files
 
 Importing this package imports nothing heavy; ``torch`` and ``transformers`` load with the

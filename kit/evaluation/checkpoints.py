@@ -327,12 +327,17 @@ def load_tokenizer(
 def check_vocabulary(checkpoint: Checkpoint, model_vocab: int, tokenizer_vocab: int) -> None:
     """Raise :class:`VocabularyMismatch` unless the tokenizer fits the embedding table.
 
-    A tokenizer larger than the table would index past it; a table more than
-    ``_VOCAB_PADDING`` rows larger than the tokenizer means the tokenizer is another model's.
+    A tokenizer larger than the table would index past it. A tokenizer from elsewhere
+    (``checkpoint.tokenizer``) with a table more than ``_VOCAB_PADDING`` rows larger is another
+    model's. A tokenizer saved with the checkpoint (as kit's coordinator saves it) is the
+    model's own, whatever the surplus: a run's ``model.vocab_size`` may exceed what its
+    tokenizer learned from a small corpus (the demo: 8,000 rows, ~1,900 pieces).
     """
-    if tokenizer_vocab > model_vocab or model_vocab - tokenizer_vocab >= _VOCAB_PADDING:
+    surplus = model_vocab - tokenizer_vocab
+    foreign = checkpoint.tokenizer is not None
+    if surplus < 0 or (foreign and surplus >= _VOCAB_PADDING):
         raise VocabularyMismatch(checkpoint.label, model_vocab, tokenizer_vocab)
-    if model_vocab != tokenizer_vocab:
+    if surplus:
         logger.debug(
             "%s: %d embeddings for %d tokens (padded table)",
             checkpoint.label,

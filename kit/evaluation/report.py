@@ -35,6 +35,8 @@ PAPER_RESULTS: Mapping[str, Mapping[str, MeanStd]] = {
     "IndicBERT": {"ner": MeanStd(0.9252, 0.0045, 3), "ncc": MeanStd(0.7446, 0.0191, 3)},
     "bnRoBERTa": {"ner": MeanStd(0.8232, 0.0067, 3), "ncc": MeanStd(0.8094, 0.0045, 3)},
 }
+#: Fine-tuning runs behind each of the paper's numbers.
+PAPER_RUNS = 3
 
 
 @dataclass(frozen=True)
@@ -61,17 +63,27 @@ class ResultsTable:
     tasks: tuple[str, ...]  # task keys, in column order
     rows: tuple[ModelRow, ...]  # one row per model, in the order they were given
     config: Mapping[str, Any] = field(default_factory=dict)  # FinetuneConfig used, as a dict
+    protocol: str | None = None  # e.g. "CPU quick profile: ..."; None = the paper's protocol
 
     def cells(self, paper: bool = False) -> list[list[str]]:
-        """Header plus one row per model: ``[["Model", "NER F1", ...], ["sahajBERT", ...]]``."""
-        lines = [["Model"] + [get_task(task).title for task in self.tasks]]
+        """Header plus one row per model: ``[["Model", "NER F1", ...], ["sahajBERT", ...]]``.
+
+        With a :attr:`protocol` (the CPU quick profile), a last column says how each row was
+        obtained: ``(CPU quick profile: 2,000 train, 1,000 test, 1 seed)``, and the paper's
+        rows ``(paper: all data, 3 seeds)``, since the two are not measured alike.
+        """
+        extra = ["Protocol"] if self.protocol else []
+        lines = [["Model"] + [get_task(task).title for task in self.tasks] + extra]
+        ours = [f"({self.protocol})"] if self.protocol else []
         for row in self.rows:
-            lines.append([row.name] + [row.summary(task).format() for task in self.tasks])
+            lines.append([row.name] + [row.summary(task).format() for task in self.tasks] + ours)
         if paper:
+            theirs = [f"(paper: all data, {PAPER_RUNS} seeds)"] if self.protocol else []
             for name, reported in PAPER_RESULTS.items():
                 lines.append(
                     [f"{name} (paper)"]
                     + [reported[t].format() if t in reported else "—" for t in self.tasks]
+                    + theirs
                 )
         return lines
 
@@ -119,7 +131,12 @@ class ResultsTable:
                     "results": results,
                 }
             )
-        return {"tasks": list(self.tasks), "models": models, "config": dict(self.config)}
+        return {
+            "tasks": list(self.tasks),
+            "models": models,
+            "config": dict(self.config),
+            "protocol": self.protocol,
+        }
 
     def save(self, folder: str | os.PathLike[str]) -> list[Path]:
         """Write ``results.json``, ``results.csv`` (mean/std) and ``runs.csv`` (every seed)."""

@@ -111,8 +111,10 @@ def test_vocabulary_check() -> None:
     with pytest.raises(VocabularyMismatch) as caught:
         check_vocabulary(checkpoint, 32000, 32001)
     assert "32000 token embeddings" in str(caught.value) and "help:" in str(caught.value)
-    with pytest.raises(VocabularyMismatch):
-        check_vocabulary(checkpoint, 32000, 8000)  # another model's tokenizer
+    # The run's own tokenizer, saved with the checkpoint: a table larger than what it learned.
+    check_vocabulary(checkpoint, 8000, 1904)
+    with pytest.raises(VocabularyMismatch):  # a tokenizer from elsewhere: another model's
+        check_vocabulary(Checkpoint("run/final", tokenizer="other/model"), 32000, 8000)
 
 
 def test_vocabulary_mismatch_on_load(world: TinyWorld, tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 from pathlib import Path
 
@@ -48,6 +49,26 @@ def test_table_in_the_papers_format() -> None:
         "|---|---|---|",
         "| sahajBERT | 95.00 ± 1.00 | 92.00 ± 0.00 |",
     ]
+
+
+def test_a_quick_profile_table_says_so_in_a_column(tmp_path: Path) -> None:
+    quick = dataclasses.replace(
+        _table(), protocol="CPU quick profile: 2,000 train, 1,000 test, 1 seed"
+    )
+    assert quick.format().splitlines()[:2] == [
+        "Model       NER F1         NCC Acc        Protocol",
+        "sahajBERT   95.00 ± 1.00   92.00 ± 0.00   "
+        "(CPU quick profile: 2,000 train, 1,000 test, 1 seed)",
+    ]
+    markdown = quick.to_markdown(paper=True).splitlines()
+    assert markdown[0] == "| Model | NER F1 | NCC Acc | Protocol |"
+    assert markdown[-1] == (
+        "| bnRoBERTa (paper) | 82.32 ± 0.67 | 80.94 ± 0.45 | (paper: all data, 3 seeds) |"
+    )
+    quick.save(tmp_path)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["protocol"] == quick.protocol
+    assert json.loads(_table().save(tmp_path)[0].read_text())["protocol"] is None
 
 
 def test_table_files(tmp_path: Path) -> None:
