@@ -209,6 +209,7 @@ class Optimizer(torch.optim.Optimizer):
             else start_download(dht, run_id, load_state_timeout, only_if_running=True)
         )
         client = dht.client_mode if client_mode is None else client_mode
+        self.client_mode = client  # hivemind's attribute: aggregates nothing, serves no state
         life = EpochLife(prefetching=prefetch is not None)  # the epochs (kit.optim.epochs)
 
         self.tracker = start_tracker(

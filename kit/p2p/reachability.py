@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from kit.address import Address, AddressError, parse_address
-from kit.errors import HandshakeRefused, KitTimeout, PeerError, PeerUnavailable
+from kit.errors import BootstrapFailed, HandshakeRefused, KitTimeout, PeerError
 from kit.p2p import wire
 from kit.p2p.api import UnaryHandler
 from kit.p2p.connection import Connection
@@ -79,7 +79,8 @@ async def check_reachable(peer: DialBackHost, initial_peers: Sequence[str]) -> b
     """True if some initial peer could dial this peer's listening port back.
 
     Raises:
-        PeerUnavailable: no initial peer answered at all (so neither mode can work).
+        BootstrapFailed: no initial peer answered at all (so neither mode can work); a
+            ``PeerUnavailable``, and what ``kit.dht.DHT`` raises when none answers.
     """
     port = peer.listen_port
     if port is None:
@@ -101,8 +102,9 @@ async def check_reachable(peer: DialBackHost, initial_peers: Sequence[str]) -> b
         if body["reachable"]:
             return True
     if not answered:
-        raise PeerUnavailable(
-            f"none of the initial peers answered ({', '.join(initial_peers)}) - help: check the "
+        raise BootstrapFailed(
+            "failed to connect to bootstrap peers: none of the initial peers answered "
+            f"({', '.join(initial_peers)}) - help: check the "
             "addresses the organizer published and your network connection"
         )
     return False
