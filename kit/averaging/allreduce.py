@@ -198,6 +198,16 @@ class AllReduceRunner:
             return RoundReport(tuple(parts))
         finally:
             await self.tasks.close()
+            self._release()
+
+    def _release(self) -> None:
+        """Let go of the round's received frames now: a runner sits in reference cycles (its
+        tasks, their callbacks) that only the cyclic GC frees, seldom, and the averages it
+        staged are as large as the vector (measured: +40 MB a round per peer until a GC)."""
+        if self.sender is not None:
+            self.sender.averages.clear()
+        if self._averages is not None:
+            self._averages.release()
 
     def _log_timeline(self) -> None:
         """One debug line: when each phase of this peer's round ended, from the round's start

@@ -85,6 +85,11 @@ class OutgoingAverages:
     def __len__(self) -> int:
         return len(self._done)
 
+    def release(self) -> None:
+        """The round is over: drop what senders sent (their frames) and the encodings."""
+        self._sent.clear()
+        self._shared = [None] * len(self._shared)
+
     def done(self, chunk: int) -> bool:
         return self._done[chunk]
 

@@ -171,7 +171,11 @@ async def test_exact_weighted_mean_with_clients_and_auxiliary_peers(
     group = make_group(peers, weights, clients, aux)
     values = [random_tensors(i) for i in range(n)]
     tensors = [[t.clone() for t in v] for v in values]
-    reports = await run_all([swarm.runner(i, group, tensors[i]) for i in range(n)])
+    runners = [swarm.runner(i, group, tensors[i]) for i in range(n)]
+    reports = await run_all(runners)
+    # The staged averages (received frames, as large as the vector) are let go with the round,
+    # not whenever the cyclic GC frees the runner.
+    assert all(r.sender is None or not r.sender.averages for r in runners)
     senders = [i for i in range(n) if i not in aux]
     expected = weighted_mean([values[i] for i in senders], [weights[i] for i in senders])
     for i in range(n):

@@ -135,7 +135,11 @@ async def test_a_chunk_is_one_message_read_from_its_frame_without_a_copy() -> No
     (sent,) = stream.sent
     assert sent[0] == head and len(sent) == 2  # header and payload go out as one message, uncopied
     frame = head + payload.numpy().tobytes()
-    for frames in ([frame], [frame[:5], frame[5:]], [frame[: len(head) + 7], frame[len(head) + 7 :]]):
+    for frames in (
+        [frame],
+        [frame[:5], frame[5:]],
+        [frame[: len(head) + 7], frame[len(head) + 7 :]],
+    ):
         received = await receive_chunk(PartsStream(frames), 24, timeout=1.0)
         assert received is not None
         header, view = received
