@@ -30,7 +30,12 @@ from kit.averaging.matchmaking_driver import MatchmakingDriver
 from kit.averaging.partition import PartitionPlan, RoundReport, chunk_scale
 from kit.averaging.router import AveragingRouter
 from kit.averaging.served_rounds import ServedRounds
-from kit.averaging.settings import AveragerSettings, check_tensors, chunk_elements
+from kit.averaging.settings import (
+    AveragerSettings,
+    check_infos,
+    check_tensors,
+    chunk_elements,
+)
 from kit.averaging.state_sharing import StateSharing
 from kit.dht.node import DHTNode, get_dht_time
 from kit.errors import AveragingFailed, ConfigError, GroupMismatch, KitTimeout
@@ -115,8 +120,9 @@ class AsyncAverager:
                 "leave client_mode=None"
             )
         self.descriptors = [TensorDescriptor.from_tensor(t) for t in self.tensors]
+        self.infos = check_infos(settings.tensor_infos, self.tensors)  # what codecs see
         self.chunk_elements = chunk_elements(
-            self.tensors, settings.compression, settings.part_size_bytes
+            self.tensors, settings.compression, settings.part_size_bytes, self.infos
         )
         self.schema = schema_hash(
             [
@@ -363,7 +369,7 @@ class AsyncAverager:
                 await self._await_trigger(control, group)
             control.advance(AveragingStage.RUNNING_ALLREDUCE)
             scaled = [elements * group.chunk_scale for elements in self.chunk_elements]
-            plan = PartitionPlan.build(self.descriptors, group.part_sizes, scaled)
+            plan = PartitionPlan.build(self.descriptors, group.part_sizes, scaled, self.infos)
             report, runner = await self._run_allreduce(group, plan)
         finally:
             self.matchmaking.withdraw_after_round()  # not during it: see find_group

@@ -49,7 +49,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 IGNORED_HIVEMIND_OPTIONS = frozenset({"daemon", "shutdown_timeout"})
-UNSUPPORTED_HIVEMIND_OPTIONS = frozenset({"tensor_infos"})
 
 __all__ = ["AsyncAverager", "AveragingMode", "DecentralizedAverager", "RoundResult", "StepControl"]
 
@@ -65,6 +64,8 @@ class DecentralizedAverager:
         start: start serving at once (else call ``run_in_background``).
         prefix, target_group_size, ...: see ``AveragerSettings`` (hivemind's names and meanings).
         compression: codec of every chunk (``kit.averaging.NoCompression`` by default).
+        tensor_infos: one ``CompressionInfo`` per tensor (hivemind's): the key and role that
+            adaptive codecs (``RoleAdaptiveCompression``) choose by; None: keyed by index.
         robust_aggregation, clip_tau, clip_iterations: ``"centered_clip"`` makes each peer
             reduce its part with CenteredClip instead of the weighted mean, so that a byzantine
             sender cannot drag the average (``kit.averaging.robust``: what it does not cover).
@@ -95,9 +96,7 @@ class DecentralizedAverager:
             logger.debug("DecentralizedAverager ignores hivemind's %s=%r", name, settings.pop(name))
         if "sender_timeout" in settings:  # hivemind's other name for it
             settings["next_chunk_timeout"] = settings.pop("sender_timeout")
-        unsupported = set(UNSUPPORTED_HIVEMIND_OPTIONS) & {
-            k for k, v in settings.items() if v is not None
-        }
+        unsupported = set()
         if averaging_alpha != 1.0:
             unsupported.add("averaging_alpha")
         if state_compression is not None and not isinstance(state_compression, NoCompression):
@@ -107,7 +106,6 @@ class DecentralizedAverager:
                 f"kit's averager does not support {', '.join(sorted(unsupported))} - help: drop "
                 "them (averaging_alpha is always 1; the state travels uncompressed)"
             )
-        settings.pop("tensor_infos", None)
         self.settings = AveragerSettings(
             prefix=prefix, compression=compression or NoCompression(), **settings
         )

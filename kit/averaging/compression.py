@@ -154,9 +154,13 @@ class _LeafCodec(CompressionBase):
             tensor = tensor.cpu()
         name = DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype))
         if name not in self.accepted_dtypes:
+            help_ = (
+                "send a complex tensor as torch.view_as_real(tensor): its real and imaginary parts"
+                if tensor.is_complex()
+                else "use NoCompression (e.g. through PerTensorCompression) for non-float tensors"
+            )
             raise ConfigError(
-                f"{type(self).__name__} cannot compress {tensor.dtype} tensors - help: use "
-                "NoCompression (e.g. through PerTensorCompression) for non-float tensors"
+                f"{type(self).__name__} cannot compress {tensor.dtype} tensors - help: {help_}"
             )
         if not self.allow_non_finite and not is_finite(tensor):
             raise NonFiniteLocalTensor(

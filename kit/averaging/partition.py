@@ -28,7 +28,6 @@ from kit.averaging.compression import (
     CompressionBase,
     CompressionInfo,
     TensorDescriptor,
-    TensorRole,
     is_finite,
 )
 from kit.errors import ConfigError, InvalidChunk, KitUsageError
@@ -80,6 +79,7 @@ class ChunkSpec:
     tensor_offset: int  # first element, in the flattened tensor
     part_offset: int  # first element, in the part
     size: int  # number of elements
+    tensor_chunk: int = 0  # its place among its tensor's chunks (hivemind's part_index)
 
 
 def max_chunk_elements(
@@ -103,6 +103,8 @@ class PartitionPlan:
     tensors: tuple[TensorDescriptor, ...]  # the averaged tensors, in order
     part_sizes: tuple[int, ...]  # elements of the flat vector per peer, in group order
     parts: tuple[tuple[ChunkSpec, ...], ...]  # the chunks of each part, in streaming order
+    chunk_limits: tuple[int, ...] = ()  # per tensor: the most elements of one chunk
+    infos: tuple[CompressionInfo, ...] = ()  # per tensor, what codecs see (keys, roles)
 
     @classmethod
     def build(
@@ -110,8 +112,11 @@ class PartitionPlan:
         tensors: Sequence[TensorDescriptor],
         part_sizes: Sequence[int],
         chunk_elements: int | Sequence[int],
+        infos: Sequence[CompressionInfo] | None = None,
     ) -> PartitionPlan:
         """Cut each part into chunks of at most ``chunk_elements`` (one value or per tensor).
+        ``infos``: each tensor's CompressionInfo (hivemind's ``tensor_infos``: its key and role,
+        which adaptive codecs choose by); None: keyed by index, role unspecified.
 
         Raises:
             ConfigError: part sizes negative or not summing to the tensors' total size, or a
@@ -133,7 +138,10 @@ class PartitionPlan:
                 f"part sizes {list(part_sizes)} must be >= 0 and sum to {sum(numels)}"
                 " - help: split the tensors' total size with load_balance_peers"
             )
+        if infos is not None and len(infos) != len(numels):
+            raise ConfigError(f"{len(infos)} tensor infos for {len(numels)} tensors")
         parts, tensor, tensor_start, position = [], 0, 0, 0
+        tensor_chunks = [0] * len(numels)
         for part_index, part_size in enumerate(part_sizes):
             chunks: list[ChunkSpec] = []
             part_start = position
@@ -152,11 +160,15 @@ class PartitionPlan:
                         position - tensor_start,
                         position - part_start,
                         end - position,
+                        tensor_chunks[tensor],
                     )
                 )
+                tensor_chunks[tensor] += 1
                 position = end
             parts.append(tuple(chunks))
-        return cls(tuple(tensors), tuple(part_sizes), tuple(parts))
+        return cls(
+            tuple(tensors), tuple(part_sizes), tuple(parts), tuple(limits), tuple(infos or ())
+        )
 
     @property
     def total_size(self) -> int:
@@ -176,12 +188,14 @@ class PartitionPlan:
         for spec in self.parts[part_index]:
             yield spec, self.chunk_view(tensors, spec)
 
-    def compression_info(
-        self, spec: ChunkSpec, role: TensorRole = TensorRole.UNSPECIFIED
-    ) -> CompressionInfo:
-        """The CompressionInfo of a chunk: its whole tensor, keyed by the tensor's index."""
-        descriptor = self.tensors[spec.tensor_index]
-        return CompressionInfo(spec.tensor_index, descriptor, role, spec.chunk_index, spec.size)
+    def compression_info(self, spec: ChunkSpec) -> CompressionInfo:
+        """The CompressionInfo of a chunk, as hivemind's codecs see one: its whole tensor (its
+        info from ``build``, else keyed by its index), ``part_index`` its place among that
+        tensor's chunks and ``part_size`` the most elements a chunk of that tensor holds."""
+        index = spec.tensor_index
+        info = self.infos[index] if self.infos else CompressionInfo(index, self.tensors[index])
+        limit = self.chunk_limits[index] if self.chunk_limits else spec.size
+        return info.get_part(spec.tensor_chunk, limit)
 
     def check_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
         """Raise KitUsageError unless ``tensors`` match the plan's shapes and dtypes."""

@@ -45,6 +45,7 @@ class AveragerSettings:
     client_mode: bool | None = None  # True: aggregates nothing, never leads; None: True unless others can connect to the DHT's peer directly (PeerAPI.can_accept: it listens, or punches through its NAT)
     auxiliary: bool = False  # aggregates for others but contributes no tensors (a helper with bandwidth)
     compression: CompressionBase = dataclasses.field(default_factory=NoCompression)  # codec of every chunk
+    tensor_infos: Sequence[CompressionInfo] | None = None  # per tensor: the key and role adaptive codecs see (hivemind's); None: by index
     lossy_deltas: bool = True  # lossy codec: each sender gets its compressed difference to the average (hivemind); False: one shared average
     robust_aggregation: str = "mean"  # "centered_clip" if peers may send garbage (kit.averaging.robust); costs senders x part memory
     clip_tau: float | None = None  # CenteredClip radius; None: median distance per round. Lower it if bad peers still move the loss
@@ -110,15 +111,45 @@ class AveragerSettings:
 
 
 def chunk_elements(
-    tensors: Sequence[torch.Tensor], compression: CompressionBase, part_size_bytes: int
+    tensors: Sequence[torch.Tensor],
+    compression: CompressionBase,
+    part_size_bytes: int,
+    infos: Sequence[CompressionInfo] | None = None,
 ) -> list[int]:
     """Elements per streamed chunk of each tensor, so a compressed chunk is ~part_size_bytes."""
     sizes = []
     for index, tensor in enumerate(tensors):
-        info = CompressionInfo(index, TensorDescriptor.from_tensor(tensor))
+        info = (
+            infos[index] if infos else CompressionInfo(index, TensorDescriptor.from_tensor(tensor))
+        )
         ratio = compression.estimate_compression_ratio(info)
         sizes.append(max(1, int(part_size_bytes / (tensor.element_size() * ratio))))
     return sizes
+
+
+def check_infos(
+    infos: Sequence[CompressionInfo] | None, tensors: Sequence[torch.Tensor]
+) -> tuple[CompressionInfo, ...] | None:
+    """``tensor_infos`` as a tuple, if there is one CompressionInfo per tensor, of its shape.
+
+    Raises:
+        ConfigError: another number of infos, or an info that describes another tensor.
+    """
+    if infos is None:
+        return None
+    infos = tuple(infos)
+    if len(infos) != len(tensors) or not all(isinstance(i, CompressionInfo) for i in infos):
+        raise ConfigError(
+            f"tensor_infos must be one CompressionInfo per averaged tensor ({len(tensors)}) - "
+            "help: CompressionInfo.from_tensor(tensor, key=..., role=...) for each"
+        )
+    for index, (info, tensor) in enumerate(zip(infos, tensors, strict=True)):
+        if tuple(info.descriptor.shape) != tuple(tensor.shape):
+            raise ConfigError(
+                f"tensor_infos[{index}] describes a {list(info.descriptor.shape)} tensor, the "
+                f"averaged tensor is {list(tensor.shape)} - help: build it from that tensor"
+            )
+    return infos
 
 
 def check_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:

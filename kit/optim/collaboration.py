@@ -20,7 +20,12 @@ from typing import Any
 import torch
 
 from kit.averaging.averager import DecentralizedAverager
-from kit.averaging.compression import CompressionBase, NoCompression
+from kit.averaging.compression import (
+    CompressionBase,
+    CompressionInfo,
+    NoCompression,
+    TensorRole,
+)
 from kit.averaging.deadlines import Deadlines
 from kit.optim.progress import ProgressTracker
 from kit.optim.rounds import GradientRounds
@@ -123,6 +128,7 @@ def build_averagers(
     params: Sequence[torch.Tensor],
     state_tensors: Sequence[torch.Tensor],
     *,
+    state_roles: Sequence[TensorRole] | None = None,
     tracker: ProgressTracker,
     deadlines: Deadlines,
     use_local_updates: bool,
@@ -157,11 +163,18 @@ def build_averagers(
             me=dht.peer_id,
             exact_gradients=exact,
         )
+    buffers = [torch.zeros(t.shape, dtype=torch.float32) for t in state_tensors]
+    roles = state_roles or [TensorRole.UNSPECIFIED] * len(buffers)
     state = DecentralizedAverager(
-        [torch.zeros(t.shape, dtype=torch.float32) for t in state_tensors],
+        buffers,
         dht,
         prefix=f"{run_id}_state_averager",
         compression=state_averaging_compression or NoCompression(),
+        # each tensor's role, for a RoleAdaptiveCompression (hivemind's TrainingStateAverager)
+        tensor_infos=[
+            CompressionInfo.from_tensor(t, key=i, role=role)
+            for i, (t, role) in enumerate(zip(buffers, roles, strict=True))
+        ],
         **averaging,
     )
     return OptimizerAveragers(grads, rounds, state)

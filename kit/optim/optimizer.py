@@ -252,6 +252,7 @@ class Optimizer(torch.optim.Optimizer):
                 run_id,
                 self._params,
                 averaged.current(),
+                state_roles=averaged.roles(),
                 tracker=self.tracker,
                 deadlines=deadlines,
                 use_local_updates=use_local_updates,

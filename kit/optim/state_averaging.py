@@ -47,6 +47,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kit.averaging.averager import DecentralizedAverager, RoundResult
+from kit.averaging.compression import TensorRole
 from kit.errors import AveragingFailed, ConfigError
 from kit.optim.stepping import InnerOptimizer
 
@@ -131,6 +132,16 @@ class AveragedTensors:
         self.inner = inner
         self.statistics = tuple(statistics)
         self.extra = list(extra)
+
+    def roles(self) -> list[TensorRole]:
+        """What each tensor of ``current()`` is to the model, as hivemind's
+        TrainingStateAverager tags them for role-adaptive codecs."""
+        statistics = len(self.inner.master) * len(self.statistics)
+        return [
+            *[TensorRole.PARAMETER] * len(self.inner.params),
+            *[TensorRole.OPTIMIZER] * statistics,
+            *[TensorRole.UNSPECIFIED] * len(self.extra),
+        ]
 
     def current(self) -> list[torch.Tensor]:
         """The tensors now (statistics looked up afresh: loading a state replaces them)."""

@@ -59,6 +59,33 @@ def test_plan_covers_every_element_once_within_tensors() -> None:
     assert covered == list(range(total)) and plan.parts[1] == () and plan.total_size == total
 
 
+def test_codecs_see_each_chunk_as_hivemind_describes_it() -> None:
+    """``CompressionInfo`` of a chunk: its tensor's info (key and role from ``tensor_infos``),
+    ``part_index`` its place among that tensor's chunks, ``part_size`` the most it may hold."""
+    tensors = tensors_like(0)
+    limits = [8, 1, 2, 16, 5]
+    plan = PartitionPlan.build(describe(tensors), [30, 0, 45, 15], limits)
+    for spec in (spec for part in plan.parts for spec in part):
+        info = plan.compression_info(spec)
+        same_tensor = [
+            s for part in plan.parts for s in part if s.tensor_index == spec.tensor_index
+        ]
+        assert info.key == spec.tensor_index and info.role is C.TensorRole.UNSPECIFIED
+        assert info.part_index == same_tensor.index(spec) and info.part_size == limits[info.key]
+        assert info.descriptor == TensorDescriptor.from_tensor(tensors[spec.tensor_index])
+    roles = [C.TensorRole.PARAMETER, C.TensorRole.OPTIMIZER] * 2 + [C.TensorRole.GRADIENT]
+    infos = [
+        C.CompressionInfo.from_tensor(t, key=f"t{i}", role=role)
+        for i, (t, role) in enumerate(zip(tensors, roles, strict=True))
+    ]
+    named = PartitionPlan.build(describe(tensors), [30, 0, 45, 15], limits, infos)
+    spec = named.parts[2][0]
+    info = named.compression_info(spec)
+    assert (info.key, info.role) == (f"t{spec.tensor_index}", roles[spec.tensor_index])
+    with pytest.raises(ConfigError, match="4 tensor infos for 5 tensors"):
+        PartitionPlan.build(describe(tensors), [30, 0, 45, 15], limits, infos[:4])
+
+
 def test_chunk_views_are_zero_copy() -> None:
     tensors = tensors_like(1)
     plan = PartitionPlan.build(describe(tensors), [50, 40], chunk_elements=16)

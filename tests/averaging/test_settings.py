@@ -7,12 +7,15 @@ import torch
 
 from kit.averaging.averager import DecentralizedAverager
 from kit.averaging.compression import (
+    CompressionInfo,
     Float16Compression,
     NoCompression,
     PerTensorCompression,
+    RoleAdaptiveCompression,
+    TensorRole,
     Uniform8BitQuantization,
 )
-from kit.averaging.settings import AveragerSettings, check_tensors, chunk_elements
+from kit.averaging.settings import AveragerSettings, check_infos, check_tensors, chunk_elements
 from kit.errors import ConfigError, KitUsageError
 
 
@@ -70,3 +73,21 @@ def test_the_facade_maps_hivemind_options() -> None:
         DecentralizedAverager([torch.zeros(3, dtype=torch.int64)], dht=None, prefix="x")
     with pytest.raises(KitUsageError, match="help:"):
         averager.step()  # not started
+
+
+def test_tensor_infos_must_describe_the_averaged_tensors() -> None:
+    tensors = [torch.zeros(3, 4), torch.zeros(5)]
+    infos = [CompressionInfo.from_tensor(t, key=i) for i, t in enumerate(tensors)]
+    assert check_infos(None, tensors) is None
+    assert check_infos(infos, tensors) == tuple(infos)
+    with pytest.raises(ConfigError, match="one CompressionInfo per averaged tensor"):
+        check_infos(infos[:1], tensors)
+    with pytest.raises(
+        ConfigError, match=r"describes a \[5\] tensor, the averaged tensor is \[3, 4\]"
+    ):
+        check_infos(infos[::-1], tensors)
+    # the estimate of a chunk's size sees the infos too (a role-adaptive codec's ratio)
+    role_adaptive = RoleAdaptiveCompression(parameter=Float16Compression(), default=NoCompression())
+    parameters = [CompressionInfo.from_tensor(t, role=TensorRole.PARAMETER) for t in tensors]
+    assert chunk_elements(tensors, role_adaptive, 4096, parameters) == [2048, 2048]
+    assert chunk_elements(tensors, role_adaptive, 4096) == [1024, 1024]

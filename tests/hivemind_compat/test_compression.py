@@ -17,7 +17,13 @@ import pytest
 import torch
 
 import kit as hivemind
-from kit.averaging.compression import Codec, SerializedTensor, extract
+from kit.averaging.compression import (
+    Codec,
+    CompressionInfo,
+    SerializedTensor,
+    TensorRole,
+    extract,
+)
 from kit.errors import ConfigError
 from tests.hivemind_compat.conftest import Swarm
 
@@ -83,14 +89,6 @@ def test_serialize_tensor() -> None:
     _check(torch.tensor(1.0), Codec.FLOAT16)
 
 
-COMPLEX_NOT_SUPPORTED = pytest.mark.xfail(
-    strict=True,
-    raises=ConfigError,
-    reason="kit's NoCompression refuses complex tensors (its dtype allow-list has no complex "
-    "dtype), hivemind's serializes them raw; not in the README's table of differences",
-)
-
-
 @pytest.mark.parametrize(
     "dtype",
     [
@@ -98,7 +96,6 @@ COMPLEX_NOT_SUPPORTED = pytest.mark.xfail(
         torch.float16,
         torch.bfloat16,
         torch.float64,
-        pytest.param(torch.complex64, marks=COMPLEX_NOT_SUPPORTED),
         torch.int64,
         torch.int32,
         torch.uint8,
@@ -114,6 +111,15 @@ def test_serialize_tensor_properties(dtype: torch.dtype, requires_grad: bool) ->
     codecs = list(Codec) if tensor.is_floating_point() else [Codec.NONE]
     for codec in codecs:
         _check(tensor, codec, atol=math.inf)
+
+
+def test_complex_tensors_are_refused_with_what_to_do() -> None:
+    """The complex64 case of hivemind 1.1.12 tests/test_compression.py::
+    test_serialize_tensor_properties. Difference (README, the codecs row): kit's codecs take the
+    real dtypes of its allow-list only, so a complex tensor is refused before anything is sent,
+    with a ConfigError saying what to do (hivemind serializes it raw)."""
+    with pytest.raises(ConfigError, match="help"):
+        CODECS[Codec.NONE].compress(torch.randn(4, 5, dtype=torch.complex64))
 
 
 @pytest.mark.parametrize("shape", [(4096, 16), (0, 0)])
@@ -257,22 +263,29 @@ def _tensors() -> list[torch.Tensor]:
     return [torch.randn([] if i == 0 else [size]) for i, size in enumerate(SIZES)]
 
 
-def _average_once(swarm: Swarm, compression: Any, prefix: str) -> None:
-    """Two peers average ``_tensors()`` once in 5,000-byte parts (hivemind's part_size_bytes)."""
-    averagers = [
-        swarm.own(
-            hivemind.DecentralizedAverager(
-                _tensors(),
-                dht=dht,
-                compression=compression,
-                prefix=prefix,
-                target_group_size=2,
-                part_size_bytes=5_000,
-                start=True,
-            )
+def _average_once(swarm: Swarm, compression: Any, prefix: str, roles: Any = None) -> None:
+    """Two peers average ``_tensors()`` once in 5,000-byte parts (hivemind's part_size_bytes),
+    with ``tensor_infos`` giving each tensor its role from ``roles`` (if given)."""
+    averagers = []
+    for dht in swarm.dhts(2):
+        tensors = _tensors()
+        infos = None
+        if roles is not None:
+            infos = [
+                CompressionInfo.from_tensor(t, key=i, role=role)
+                for i, (t, role) in enumerate(zip(tensors, roles, strict=True))
+            ]
+        averager = hivemind.DecentralizedAverager(
+            tensors,
+            dht=dht,
+            compression=compression,
+            prefix=prefix,
+            target_group_size=2,
+            part_size_bytes=5_000,
+            tensor_infos=infos,
+            start=True,
         )
-        for dht in swarm.dhts(2)
-    ]
+        averagers.append(swarm.own(averager))
     for future in [averager.step(wait=False) for averager in averagers]:
         assert future.result(30).is_full
 
@@ -286,8 +299,9 @@ def test_adaptive_compression(swarm: Swarm) -> None:
     As there: ``SizeAdaptiveCompression`` chooses by the size of the whole tensor, also for its
     streamed parts; 5,000-byte parts hold 5,000 one-byte, 2,500 two-byte or 1,250 four-byte
     values; ``RoleAdaptiveCompression`` picks ``default`` for tensors without a role (a
-    ``DecentralizedAverager`` gives none; hivemind's gets roles through ``tensor_infos``, refused
-    by kit: README, the ``DecentralizedAverager`` row). Difference (same row): an adaptive
+    ``DecentralizedAverager`` gives none) and the role's codec for tensors that ``tensor_infos``
+    gives one (as hivemind's ``TrainingAverager`` does). Difference (README, the
+    ``DecentralizedAverager`` row): an adaptive
     ``state_compression`` with a lossy codec is refused; the state travels exactly.
     """
     UINT8 = TrackedCompression(hivemind.compression.Uniform8BitQuantization())
@@ -311,6 +325,12 @@ def test_adaptive_compression(swarm: Swarm) -> None:
     assert not PARAMETERS.infos  # no tensor of a DecentralizedAverager has a role
     assert {info.descriptor.numel() for info in FLOAT16.infos} == set(SIZES)
     assert FLOAT16.max_part_size() == 2_500
+    FLOAT16.infos.clear()
+    roles = [TensorRole.PARAMETER, TensorRole.UNSPECIFIED] * (len(SIZES) // 2)
+    _average_once(swarm, role_adaptive, "by_given_role", roles)  # as TrainingAverager gives
+    assert {info.role for info in PARAMETERS.infos} == {TensorRole.PARAMETER}
+    assert {info.key for info in PARAMETERS.infos} == set(range(0, len(SIZES), 2))
+    assert {info.key for info in FLOAT16.infos} == set(range(1, len(SIZES), 2))
 
     _average_once(swarm, hivemind.compression.PerTensorCompression([FLOAT32] * 6), "per_tensor")
     assert {info.key for info in FLOAT32.infos} == set(range(6))
@@ -329,14 +349,6 @@ def test_adaptive_compression(swarm: Swarm) -> None:
 
 
 @pytest.mark.sockets
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="kit's CompressionInfo.part_size is the size of the chunk being compressed (and "
-    "part_index its place in the sender's stream), where hivemind's part_size is the most values "
-    "a part of that tensor may hold (and part_index the part's index within the tensor), as kit's "
-    "own docstring of CompressionInfo says; not in the README's table of differences",
-)
 def test_part_size_is_the_most_values_a_part_holds(swarm: Swarm) -> None:
     """Mirrors the ``mp_part_size`` check of hivemind 1.1.12
     tests/test_compression.py::test_adaptive_compression for a tensor smaller than one part: in

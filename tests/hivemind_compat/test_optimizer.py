@@ -304,14 +304,6 @@ class RoleMissing(AssertionError):
     """The state averager gave its parameters no TensorRole."""
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RoleMissing,
-    reason="kit's state averager compresses parameters with TensorRole.UNSPECIFIED, where "
-    "hivemind's TrainingStateAverager tags them PARAMETER (and optimizer statistics OPTIMIZER), "
-    "so a RoleAdaptiveCompression given as state_averaging_compression picks its default "
-    "codec; not in the README's table of differences",
-)
 def test_state_averaging_compression_sees_parameter_roles(swarm: Swarm) -> None:
     """Mirrors the role-adaptive part of hivemind 1.1.12
     tests/test_compression.py::test_adaptive_compression, where the state averager's parameters
