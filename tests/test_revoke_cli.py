@@ -53,6 +53,7 @@ from kit.revoke_cli import Bans, human_duration, parse_duration, parse_peer_key
 from kit.run_authority import read_authority, revocations_path
 from kit.runtime import get_runtime
 from kit.testing.fake_hub import FakeHub
+from tests.auth import volunteer_process
 from tests.conftest import TIMEOUT_FACTOR
 from tests.test_coordinator import access_coordinator, free_port
 
@@ -202,25 +203,7 @@ def test_a_ban_by_kit_revoke_holds_at_the_coordinator_and_every_peer_and_after_a
         coordinator.config.access.authority_public_key,
         os.getpid(),
     )
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-    volunteer = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tests.auth.volunteer_process",
-            coordinator.join_url,
-            "hf_bob",
-            str(tmp_path / "bob"),
-        ],
-        cwd=ROOT,
-        env=env,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    volunteer = volunteer_process.start(coordinator.join_url, "hf_bob", tmp_path / "bob")
     members = Members(coordinator)
     run = get_runtime().call
     coordinator_id = coordinator.dht.peer_id  # type: ignore[union-attr]

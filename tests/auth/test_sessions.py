@@ -4,12 +4,9 @@ lives only as long as its access token (renewed, or closed)."""
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 
@@ -38,11 +35,11 @@ from kit.p2p.identity import Identity, PeerID
 from kit.p2p.peer import Peer, create_peer
 from kit.runtime import get_runtime
 from kit.testing.fake_hub import FakeHub
+from tests.auth import volunteer_process
 from tests.conftest import TIMEOUT_FACTOR
 from tests.test_coordinator import access_coordinator
 
 pytestmark = pytest.mark.sockets
-ROOT = Path(__file__).resolve().parents[2]
 RUN = "sessions"
 
 
@@ -225,25 +222,7 @@ def test_a_revoked_user_is_cut_off_at_a_volunteer_and_cannot_come_back(
             usernames=("alice", "bob", "carol"),
             check_seconds=1.0,
         )
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        }
-        volunteer = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.auth.volunteer_process",
-                coordinator.join_url,
-                "hf_bob",
-                str(tmp_path / "bob"),
-            ],
-            cwd=ROOT,
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
+        volunteer = volunteer_process.start(coordinator.join_url, "hf_bob", tmp_path / "bob")
         try:
             assert volunteer.stdout is not None
             address = volunteer.stdout.readline().strip()

@@ -10,13 +10,31 @@ that a test can hold a stream open to it and see why it was closed.
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 from kit.dht import DHT
 from kit.p2p.api import StreamAPI
 from kit.volunteer import Volunteer
 
 HOLD = "test/hold"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def start(join_url: str, hf_token: str, work_dir: Path) -> subprocess.Popen[str]:
+    """This module in a process of its own (stdin and stdout piped: its address is its first
+    line; closing stdin stops it), running this checkout's kit."""
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.auth.volunteer_process", join_url, hf_token, str(work_dir)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": path},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
 
 
 async def hold(stream: StreamAPI) -> None:
