@@ -130,12 +130,39 @@ def pool_delay(late_groups: bool, min_matchmaking_time: float, request_timeout: 
     return 2 * min_matchmaking_time + request_timeout if late_groups else 0.0
 
 
-def begin_after_pool(after_pool: float, now: float, timeout: float | None) -> float | None:
-    """When the round after a sharded one may begin at the latest (DHT time; None: at once).
+def search_window(matchmaking_time: float) -> float:
+    """How long a gradient round looks for its group: two matchmaking times (one to gather, one
+    for a leader found late) and a second for the last polls."""
+    return 2 * matchmaking_time + 1.0
 
-    Its keys gather members of shard groups, which ended early, and of pool groups, which end
-    ``after_pool`` later: a leader that does not fill at once waits for them (full groups still
-    begin at once). Not when that would take half the round's search time or more.
+
+def later_round_delay(
+    late_groups: bool, previous_took: float, min_matchmaking_time: float, request_timeout: float
+) -> float:
+    """How long after it declares a later round's leader waits for its key to fill (it begins
+    at once when it fills): at least ``pool_delay``, and a search window plus as long as this
+    peer's own round before took (``previous_took``).
+
+    A later round's key gathers one member of each group of the round before, and those end
+    at different times: a group forms anywhere in the search window (a few polls later on a
+    loaded machine), and its all-reduce may run over a slower link. Waiting one matchmaking
+    time cut such a group's members off every key: a whole group of 4 ending 3.5 s late (CI's
+    2-core machine) left its 4 peers with 1 of 2 rounds (29% of the samples) and the other 8
+    with 71%. A group that formed as late as the search allows and took up to twice as long
+    as ours still makes it. The price: a key whose member is gone waits that long (a missing
+    member of a remainder key already cost ``pool_delay``).
+    """
+    pool = pool_delay(late_groups, min_matchmaking_time, request_timeout)
+    return max(pool, search_window(min_matchmaking_time) + max(0.0, previous_took))
+
+
+def begin_after_pool(after_pool: float, now: float, timeout: float | None) -> float | None:
+    """When a later round's leader begins at the latest (DHT time; None: one matchmaking time
+    after it declares), ``after_pool`` from now (``later_round_delay``).
+
+    Its key gathers members of groups that ended early (a sharded round's shards) and late
+    (its pool, slower groups): a leader that does not fill at once waits for them (full groups
+    still begin at once). Not when that would take half the round's search time or more.
     """
     if after_pool <= 0 or (timeout is not None and after_pool >= timeout / 2):
         return None

@@ -8,12 +8,13 @@ round, the weight of what the peer's value stands for). The blocking version for
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from collections.abc import Callable
 
 from kit.averaging.async_averager import AsyncAverager, RoundResult
-from kit.averaging.grid import SHARD_ABOVE, GridAverage, begin_after_pool, pool_delay
+from kit.averaging.grid import SHARD_ABOVE, GridAverage, begin_after_pool, later_round_delay
 from kit.dht.node import get_dht_time
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,8 @@ async def grid_average(
     saved = matchmaking.group_bits, matchmaking.settings, matchmaking.shards
     me = averager.peer.peer_id
     results: list[RoundResult | None] = []
-    after_pool = 0.0  # how much later a sharded round's pool groups may end than its shards'
+    loop = asyncio.get_running_loop()
+    wait = 0.0  # how long the next round's leader waits for its key (0: min_matchmaking_time)
     try:
         for index in range(rounds):
             matchmaking.group_bits = grid.bits
@@ -60,15 +62,18 @@ async def grid_average(
                 saved[1], target_group_size=grid.next_target(peers)
             )
             matchmaking.shards = grid.next_shards(peers)
-            scheduled = begin_after_pool(after_pool, get_dht_time(), timeout)
-            settings = averager.settings
-            after_pool = pool_delay(
-                grid.next_has_late_groups(peers),
-                settings.min_matchmaking_time,
-                settings.request_timeout,
-            )
+            scheduled = begin_after_pool(wait, get_dht_time(), timeout)
+            late = grid.next_has_late_groups(peers)
+            started = loop.time()
             result = await averager.step(
                 weight=grid.weight, timeout=timeout, scheduled_time=scheduled
+            )
+            settings = averager.settings
+            wait = later_round_delay(
+                late,
+                loop.time() - started,
+                settings.min_matchmaking_time,
+                settings.request_timeout,
             )
             results.append(result)
             grid.round_ended(result, me)

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kit.averaging.grid import search_window
 from kit.optim.accumulation import GradientAccumulator, all_finite
 from kit.optim.epoch_actions import (
     Action,
@@ -330,7 +331,9 @@ class EpochDriver:
             self.averaged.current(),
             group_bits(epoch),
             expected,
-            timeout=self.rounds.search_time if self.rounds else 2 * self.matchmaking_time + 1.0,
+            timeout=self.rounds.search_time
+            if self.rounds
+            else search_window(self.matchmaking_time),
             epoch=epoch,
         )
 

@@ -33,7 +33,13 @@ from collections.abc import Callable
 from kit.averaging.averager import DecentralizedAverager, RoundResult
 from kit.averaging.control import StepControl
 from kit.averaging.deadlines import Deadlines
-from kit.averaging.grid import GridAverage, begin_after_pool, pool_delay, rounds_for
+from kit.averaging.grid import (
+    GridAverage,
+    begin_after_pool,
+    later_round_delay,
+    rounds_for,
+    search_window,
+)
 from kit.dht.node import get_dht_time
 from kit.errors import AveragingFailed, KitError, KitTimeout, TransientError
 from kit.optim.accumulation import GradientAccumulator, all_finite
@@ -207,7 +213,7 @@ def average_on_grid(
     """
     grid = GridAverage(group_bits(epoch), group_size, rounds_for(expected, group_size), weight)
     result: RoundResult | None = None
-    after_pool = 0.0  # a sharded round's pool groups end this much later than its shards'
+    wait = 0.0  # how long the next round's leader waits for its key (0: matchmaking_time)
     settings = averager.settings
     try:
         for index in range(grid.rounds):
@@ -215,10 +221,10 @@ def average_on_grid(
             averager.set_target_group_size(grid.next_target(expected))
             shards = grid.next_shards(expected)
             averager.set_shards(shards)
-            scheduled = begin_after_pool(after_pool, get_dht_time(), None)  # (the search waits)
+            scheduled = begin_after_pool(wait, get_dht_time(), None)  # (the search waits)
             late = grid.next_has_late_groups(expected)
-            after_pool = pool_delay(late, matchmaking_time, settings.request_timeout)
             everyones = grid.next_round_is_everyones
+            started = time.monotonic()
             result = _blocking_step(
                 averager,
                 tracker,
@@ -229,6 +235,8 @@ def average_on_grid(
                 scheduled_time=scheduled,
                 ends_when_others_step=everyones,
             )
+            took = time.monotonic() - started
+            wait = later_round_delay(late, took, matchmaking_time, settings.request_timeout)
             grid.round_ended(result, me)
             if result is None and everyones and tracker.global_progress.epoch > epoch:
                 break  # every group formed without us: nobody is left to average with
@@ -257,7 +265,7 @@ def _blocking_step(
     # later grid round: its key's members may still be finishing the round before, and giving
     # up then left them a member short (two peers with 1 of 2 rounds, and a group that began
     # with them while they gave up).
-    search = 2 * matchmaking_time + 1.0
+    search = search_window(matchmaking_time)
     if scheduled_time is not None:
         search += max(0.0, scheduled_time - get_dht_time())
     future = averager.step(weight=weight, timeout=search, scheduled_time=scheduled_time, wait=False)
@@ -356,7 +364,7 @@ class GradientRounds:
     @property
     def search_time(self) -> float:
         """How long a round may look for its group (as average_at_epoch's search)."""
-        return 2 * self.matchmaking_time + 1.0
+        return search_window(self.matchmaking_time)
 
     def take_mean(self, accumulated: GradientAccumulator) -> None:
         """Put this epoch's mean gradient in the averager's buffers."""

@@ -10,10 +10,14 @@ import pytest
 from kit.averaging.deadlines import Deadlines, parse_deadline
 from kit.averaging.grid import (
     GridAverage,
+    begin_after_pool,
     coordinate,
     coordinate_bits,
+    later_round_delay,
+    pool_delay,
     rotated_bits,
     rounds_for,
+    search_window,
 )
 from kit.errors import ConfigError
 from kit.p2p.identity import PeerID
@@ -93,6 +97,22 @@ def test_a_peer_without_a_group_keeps_its_weight_and_moves_on() -> None:
     assert len(grid.bits) == 2 and 0 <= grid.coordinates[0] < 4
     assert grid.next_target(12) == 3  # 12 peers in keys of 4 values: 3 per key
     assert GridAverage("", 32, 2, 1.0).next_target(1024) == 32
+
+
+def test_a_later_round_waits_a_search_window_and_the_round_before() -> None:
+    # A search window (2 x 3 s + 1 s) plus our own round before (0.4 s): a group that formed
+    # up to the end of its search, or ended 3.5 s after ours (the case that failed), still
+    # finds its keys' leaders waiting.
+    assert search_window(3.0) == 7.0
+    assert later_round_delay(False, 0.4, 3.0, 5.0) == pytest.approx(7.4)
+    # After a round with late groups (a pool): at least the pool's delay.
+    assert later_round_delay(True, 0.5, 3.0, 1.0) == search_window(3.0) + 0.5
+    assert later_round_delay(True, 0.5, 3.0, 9.0) == pool_delay(True, 3.0, 9.0) == 15.0
+    assert later_round_delay(False, 20.0, 3.0, 5.0) == 27.0
+    assert later_round_delay(False, -1.0, 3.0, 5.0) == 7.0  # a clock step back: no less
+    assert begin_after_pool(7.4, 100.0, None) == pytest.approx(107.4)
+    assert begin_after_pool(7.4, 100.0, 10.0) is None  # more than half the search: default
+    assert begin_after_pool(0.0, 100.0, None) is None
 
 
 def test_deadlines_fixed_or_auto() -> None:
