@@ -65,6 +65,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--part-size-bytes", type=int, default=None, help="bytes per streamed chunk (kit's default)"
     )
+    parser.add_argument(
+        "--lossy-deltas",
+        default="true",
+        choices=["true", "false"],
+        help="lossy codecs: each sender gets its own compressed difference (true: hivemind's "
+        "default) or one shared average encoded once (false: kit.Optimizer's gradients, and "
+        "what the tcp_butterfly floor does)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads in each peer")
     parser.add_argument("--hosts", default="", help="comma list of per-peer listen IPs")
     parser.add_argument("--netns-prefix", default="", help="run peer i in netns <prefix><i>")
@@ -215,6 +223,7 @@ def run_peer(args: argparse.Namespace) -> None:
         request_timeout=args.request_timeout,
         allreduce_timeout=args.allreduce_timeout,
         compression=make_codec(args.compression),
+        lossy_deltas=args.lossy_deltas == "true",
         **({"part_size_bytes": args.part_size_bytes} if args.part_size_bytes else {}),
     )
     result["averager_start_s"] = round(time.perf_counter() - t0, 3)
@@ -624,6 +633,7 @@ def run_launcher(args: argparse.Namespace, argv: list[str]) -> int:
         "size_mb": args.size_mb,
         "numel": nbytes // 4,
         "compression": args.compression,
+        "lossy_deltas": args.lossy_deltas == "true",
         "fill": args.fill,
         "rounds": args.rounds,
         "hosts": args.hosts or "127.0.0.1",

@@ -131,7 +131,8 @@ class OutgoingAverages:
         if not isinstance(sent, torch.Tensor):
             spec = self.reducer.chunks[chunk]
             dtype = self.plan.tensors[spec.tensor_index].dtype
-            sent = decode_chunk(sent[0], memoryview(sent[1]), spec, dtype)
+            # (accepted into the average: it decoded and was finite then)
+            sent = decode_chunk(sent[0], memoryview(sent[1]), spec, dtype, check_finite=False)
         return self._encode(chunk, sent)
 
     def _encode(self, chunk: int, sent: torch.Tensor | None) -> Encoded:

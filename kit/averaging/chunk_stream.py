@@ -170,13 +170,21 @@ def tensor_header(header: dict[str, Any], spec: ChunkSpec, bound: int) -> dict[s
 
 
 def decode_chunk(
-    header: dict[str, Any], payload: memoryview, spec: ChunkSpec, dtype: torch.dtype
+    header: dict[str, Any],
+    payload: memoryview,
+    spec: ChunkSpec,
+    dtype: torch.dtype,
+    *,
+    check_finite: bool = True,
 ) -> torch.Tensor:
     """Decode a chunk whose codec header is ``header`` (untrusted) into a flat tensor.
 
+    ``check_finite=False``: the caller checks the values itself, once (a contribution is
+    checked by ``PartReducer.accept``, a difference once it is added to our values).
+
     Raises:
         InvalidTensor: another shape or dtype than the chunk's, a payload that does not match
-            the codec's layout, or NaN/inf values.
+            the codec's layout, or (``check_finite``) NaN/inf values.
     """
     if header.get("shape") != [spec.size] or header.get("dtype") != DTYPE_NAMES.get(dtype):
         raise InvalidTensor(
@@ -184,4 +192,4 @@ def decode_chunk(
             f" expected {DTYPE_NAMES.get(dtype)}[{spec.size}]"
         )
     serialized = SerializedTensor.from_header(header, payload, max_numel=spec.size)
-    return extract(serialized).view(-1)
+    return extract(serialized, allow_non_finite=not check_finite).view(-1)

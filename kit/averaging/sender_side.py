@@ -187,8 +187,8 @@ class SenderSide:
             values = torch.frombuffer(payload, dtype=dtype, count=spec.size)
             if not is_finite(values):
                 raise InvalidTensor(f"the average of chunk {spec.chunk_index} holds NaN or inf")
-        else:
-            values = decode_chunk(codec_header, payload, spec, dtype)  # a new tensor
+        else:  # a new tensor; a difference is checked once added to our values
+            values = decode_chunk(codec_header, payload, spec, dtype, check_finite=not delta)
             if delta:  # our exact values plus the compressed difference to the average
                 values.add_(self.plan.chunk_view(self.tensors, spec))
                 if not is_finite(values):

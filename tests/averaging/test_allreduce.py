@@ -372,13 +372,17 @@ async def test_malformed_chunks_are_rejected_and_the_round_goes_on() -> None:
     bad[2] = (bad[2][0], nan.numpy().tobytes())
     header, payload = bad[3]
     bad[3] = ({**header, "codec": 4, "nbytes": 10}, b"0123456789")  # uniform8bit, wrong layout
+    header, payload = bad[4]  # float16 that decodes to a NaN (checked once, by the reducer)
+    half = torch.frombuffer(bytearray(payload), dtype=torch.float32).half()
+    half[7] = float("nan")
+    bad[4] = ({**header, "codec": 2, "nbytes": 2 * len(half)}, half.numpy().tobytes())
 
     async def hostile() -> None:
         # A part for another round is refused before any chunk is read ...
         stale = await open_part(peers[2], group, 0, group_id=os.urandom(16))
         with pytest.raises(Exception, match="unknown round"):
             await stale.receive_message(timeout=2.0)
-        # ... then four malformed chunks, and the rest of the part as it should be.
+        # ... then five malformed chunks, and the rest of the part as it should be.
         stream = await open_part(peers[2], group, 0)
         await send_raw(stream, bad)
         while await stream.receive_message(max_size=2**20, timeout=2.0) is not None:
@@ -388,14 +392,14 @@ async def test_malformed_chunks_are_rejected_and_the_round_goes_on() -> None:
     reports = results[0]
     part = reports[0].parts[0]
     everyone = frozenset(group.peers)
-    assert [set(p) for p in part.chunk_peers[:4]] == [set(group.peers[:2])] * 4
-    assert all(p == everyone for p in part.chunk_peers[4:])
+    assert [set(p) for p in part.chunk_peers[:5]] == [set(group.peers[:2])] * 5
+    assert all(p == everyone for p in part.chunk_peers[5:])
     assert not reports[0].is_full and reports[0] == reports[1]
     # The first chunks are the mean of peers 0 and 1 (renormalised), the rest of all three.
     got = flat(tensors[0])
     two = flat(weighted_mean(values[:2], [1.0, 2.0]))
     three = flat(weighted_mean(values, [1.0, 2.0, 4.0]))
-    cut = sum(spec.size for spec in plan.parts[0][:4])
+    cut = sum(spec.size for spec in plan.parts[0][:5])
     torch.testing.assert_close(got[:cut].double(), two[:cut], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(got[cut:].double(), three[cut:], rtol=1e-6, atol=1e-6)
     assert torch.equal(flat(tensors[1]), got)

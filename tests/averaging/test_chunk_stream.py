@@ -91,6 +91,9 @@ def test_sizes_are_checked_before_anything_is_allocated_or_decoded() -> None:
     raw[0:2] = b"\xff\x7f"  # a float16 NaN
     with pytest.raises(InvalidTensor):
         decode_chunk(header, memoryview(raw), spec(10), torch.float32)
+    # The caller that checks the values itself (the reducer) gets them as they are.
+    values = decode_chunk(header, memoryview(raw), spec(10), torch.float32, check_finite=False)
+    assert values.dtype == torch.float32 and values[0].isnan() and values[1:].eq(0).all()
 
 
 def test_round_buffers_are_reused() -> None:
