@@ -18,7 +18,6 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from kit.auth import authorizer_from_coordinator
 from kit.auth.revocation import REVOCATION_DOMAIN, RevocationList
 from kit.auth.tokens import TOKEN_DOMAIN
 from kit.cli import main
@@ -41,7 +40,7 @@ from kit.errors import (
     Revoked,
 )
 from kit.p2p.identity import Identity, b58encode
-from kit.p2p.peer import Peer, create_peer
+from kit.p2p.peer import Peer
 from kit.revocation_admin import (
     BANS_PATH,
     MAX_REQUEST_BYTES,
@@ -54,6 +53,7 @@ from kit.run_authority import read_authority, revocations_path
 from kit.runtime import get_runtime
 from kit.testing.fake_hub import FakeHub
 from tests.auth import volunteer_process
+from tests.auth.members import CoordinatorMembers
 from tests.conftest import TIMEOUT_FACTOR
 from tests.test_coordinator import access_coordinator, free_port
 
@@ -131,35 +131,6 @@ def kept_bans(coordinator: Coordinator) -> tuple[float, tuple, tuple, bytes | No
     )
 
 
-class Members:
-    """Users' peers on the runtime loop, each with a token from the coordinator."""
-
-    def __init__(self, coordinator: Coordinator) -> None:
-        self.coordinator = coordinator
-        self.peers: dict[str, Peer] = {}
-
-    async def join(self, user: str) -> Peer:
-        identity = Identity.generate()
-        issuer = self.coordinator.issuer
-        assert issuer is not None
-        authorizer = await authorizer_from_coordinator(
-            self.coordinator.join_url,
-            f"hf_{user}",
-            identity,
-            authority_public_key=issuer.authority_public_key,
-            check_period=1.0,
-        )
-        run_id = self.coordinator.config.collaboration.run_id
-        peer = await create_peer(identity=identity, authorizer=authorizer, run_id=run_id)
-        self.peers[user] = peer
-        return peer
-
-    async def leave(self) -> None:
-        for peer in self.peers.values():
-            await peer.shutdown()
-            await peer.authorizer.close()  # type: ignore[attr-defined]
-
-
 async def hold_open(peer: Peer, address: str) -> object:
     """A stream from ``peer`` to the volunteer at ``address`` (its ``test/hold`` echo)."""
     volunteer = await peer.connect(address, timeout=10)
@@ -204,7 +175,7 @@ def test_a_ban_by_kit_revoke_holds_at_the_coordinator_and_every_peer_and_after_a
         os.getpid(),
     )
     volunteer = volunteer_process.start(coordinator.join_url, "hf_bob", tmp_path / "bob")
-    members = Members(coordinator)
+    members = CoordinatorMembers(coordinator)
     run = get_runtime().call
     coordinator_id = coordinator.dht.peer_id  # type: ignore[union-attr]
     try:

@@ -14,7 +14,6 @@ from kit.auth import (
     AllowlistAuthorizer,
     IssuerTokenSource,
     TokenIssuer,
-    authorizer_from_coordinator,
 )
 from kit.auth.tokens import AccessToken
 from kit.coordinator import Coordinator
@@ -36,6 +35,7 @@ from kit.p2p.peer import Peer, create_peer
 from kit.runtime import get_runtime
 from kit.testing.fake_hub import FakeHub
 from tests.auth import volunteer_process
+from tests.auth.members import CoordinatorMembers
 from tests.conftest import TIMEOUT_FACTOR
 from tests.test_coordinator import access_coordinator
 
@@ -253,21 +253,9 @@ class Visitor:
     def __init__(self, coordinator: Coordinator, address: str) -> None:
         self.coordinator = coordinator
         self.address = address
-        self.authority = coordinator.issuer.authority_public_key
-        self.users: dict[str, Peer] = {}
-
-    async def join(self, user: str, identity: Identity | None = None) -> Peer:
-        identity = identity or Identity.generate()
-        auth = await authorizer_from_coordinator(
-            self.coordinator.join_url,
-            f"hf_{user}",
-            identity,
-            authority_public_key=self.authority,
-            check_period=1.0,
-        )
-        run_id = self.coordinator.config.collaboration.run_id
-        self.users[user] = await create_peer(identity=identity, authorizer=auth, run_id=run_id)
-        return self.users[user]
+        self.members = CoordinatorMembers(coordinator)
+        self.join = self.members.join
+        self.leave = self.members.leave
 
     async def connect_and_work(self) -> None:
         carol = await self.join("carol")
@@ -280,7 +268,7 @@ class Visitor:
         assert carol.connection(self.coordinator.dht.peer_id) is None  # she knows the volunteer
 
     async def cut_off_and_refused(self) -> None:
-        carol = self.users["carol"]
+        carol = self.members.peers["carol"]
         started = time.monotonic()
         with pytest.raises(ConnectionLost, match="unauthorized.*user 'carol' is revoked"):
             await self.stream.receive_message(timeout=30)
@@ -297,8 +285,3 @@ class Visitor:
         alice = await self.join("alice")
         assert await alice.connect(self.address, timeout=10) == self.volunteer
         assert await store_at(alice, self.volunteer, "alice-was-here") == [StoreStatus.STORED]
-
-    async def leave(self) -> None:
-        for peer in self.users.values():
-            await peer.shutdown()
-            await peer.authorizer.close()  # type: ignore[attr-defined]
