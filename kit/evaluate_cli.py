@@ -2,12 +2,16 @@
 
 ::
 
+    kit evaluate finetune --run ./demo                   # the run's checkpoints, by the device
     kit evaluate finetune ./final --task ner --task ncc --seeds 3 --no-baselines --data ner=./wikiann
     kit evaluate series ./checkpoints --task ner --heldout heldout.txt --max-points 8 --output out/
     kit evaluate mlm neuropark/sahajBERT@main --heldout heldout.txt
 
 What is printed on stdout is the product (the table, or one JSON line per result); logs go to
-stderr. Heavy imports (torch, transformers, datasets) happen only when a command runs, so that
+stderr. ``finetune`` plans as the notebook does (``kit.evaluation.plan``): what is not given is
+chosen by the device (a CPU: the quick profile, whose table says so in a column; a GPU: the
+paper's protocol), and the plan is logged before anything long starts; ``--paper-protocol``
+takes exactly what is given instead. Heavy imports (torch, transformers, datasets) happen only when a command runs, so that
 ``kit --help`` stays fast. Nothing but argument parsing and printing lives here.
 """
 
@@ -33,14 +37,31 @@ def add_command(subparsers: Any) -> None:
     commands = parser.add_subparsers(dest="evaluate_command", metavar="WHAT")
 
     finetune = commands.add_parser("finetune", help="mean ± std table over seeds, with baselines")
-    finetune.add_argument("models", nargs="+", help="checkpoint folders or Hub ids (repo@rev)")
-    _add_task_options(finetune, default_seeds=3)
+    finetune.add_argument(
+        "models",
+        nargs="*",
+        help="checkpoint folders or Hub ids (repo@rev); none: the run's (--run) first and newest "
+        "on a CPU, its newest on a GPU",
+    )
+    finetune.add_argument(
+        "--run",
+        default=".",
+        help="run folder (run.yaml and coordinator/, as kit demo --work-dir leaves it) or the "
+        "run's Hub repo, whose checkpoints are judged when no model is named (default: .)",
+    )
+    _add_task_options(finetune, default_seeds=None)
     finetune.add_argument(
         "--baseline",
         action="append",
         default=None,
         metavar="REPO",
-        help="Hub model to compare with (repeatable; default: the paper's)",
+        help="Hub model to compare with (repeatable; default: the paper's on a GPU, none on a CPU)",
+    )
+    finetune.add_argument(
+        "--paper-protocol",
+        action="store_true",
+        help="the paper's protocol on any device: every example, up to 20 epochs, 3 seeds, the "
+        "paper's baselines (days on a CPU)",
     )
     finetune.add_argument("--no-baselines", action="store_true", help="fine-tune no baseline")
     finetune.add_argument("--paper", action="store_true", help="append the paper's numbers")
@@ -65,7 +86,7 @@ def add_command(subparsers: Any) -> None:
     mlm.set_defaults(handler=_run_mlm)
 
 
-def _add_task_options(parser: argparse.ArgumentParser, default_seeds: int) -> None:
+def _add_task_options(parser: argparse.ArgumentParser, default_seeds: int | None) -> None:
     parser.add_argument(
         "--task",
         action="append",
@@ -73,7 +94,12 @@ def _add_task_options(parser: argparse.ArgumentParser, default_seeds: int) -> No
         metavar="TASK",
         help="ner or ncc (repeatable; default: ner and ncc, series: ner)",
     )
-    parser.add_argument("--seeds", type=int, default=default_seeds, help="runs per model/task")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=default_seeds,
+        help=f"runs per model/task (default: {default_seeds or '1 on a CPU, 3 on a GPU'})",
+    )
     parser.add_argument(
         "--data",
         action="append",
@@ -90,19 +116,23 @@ def _add_task_options(parser: argparse.ArgumentParser, default_seeds: int) -> No
     parser.add_argument("--output", default="evaluation", help="folder for JSON/CSV/PNG files")
 
 
-def _config(args: argparse.Namespace) -> Any:
-    from kit.evaluation.finetune import FinetuneConfig
-
-    overrides = {
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``FinetuneConfig`` fields given on the command line."""
+    given = {
+        "device": args.device,
         "num_epochs": args.epochs,
         "learning_rate": args.lr,
         "batch_size": args.batch_size,
         "max_train_examples": args.max_train,
         "max_eval_examples": args.max_eval,
     }
-    return FinetuneConfig(
-        device=args.device, **{k: v for k, v in overrides.items() if v is not None}
-    )
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def _config(args: argparse.Namespace) -> Any:
+    from kit.evaluation.finetune import FinetuneConfig
+
+    return FinetuneConfig(**_overrides(args))
 
 
 def _datasets(pairs: list[str]) -> dict[str, str]:
@@ -132,16 +162,40 @@ def _guarded(run: Any, args: argparse.Namespace) -> int:
 def _run_finetune(args: argparse.Namespace) -> int:
     def go(args: argparse.Namespace) -> int:
         from kit import evaluate
+        from kit.errors import ConfigError
 
-        baselines = () if args.no_baselines else (args.baseline or evaluate.DEFAULT_BASELINES)
+        tasks = args.task or ("ner", "ncc")
+        datasets = _datasets(args.data)
+        if args.paper_protocol:
+            if not args.models:
+                raise ConfigError(
+                    "--paper-protocol needs the models to judge - help: name checkpoint folders "
+                    "or Hub ids, or leave --paper-protocol out to judge the run's checkpoints"
+                )
+            baselines = () if args.no_baselines else (args.baseline or evaluate.DEFAULT_BASELINES)
+            models, seeds, config, protocol = args.models, args.seeds or 3, _config(args), None
+        else:
+            plan = evaluate.plan_evaluation(
+                args.models or None,
+                tasks=tasks,
+                seeds=args.seeds,
+                baselines=() if args.no_baselines else args.baseline,
+                finetune=_overrides(args),
+                datasets=datasets,
+                run=args.run,
+            )
+            logger.info("%s", plan.text())  # on stderr, before anything long starts
+            models, seeds, baselines = plan.checkpoints, plan.seeds, plan.baselines
+            config, protocol = plan.config, plan.protocol
         table = evaluate.compare(
-            args.models,
-            tasks=args.task or ("ner", "ncc"),
-            seeds=args.seeds,
+            models,
+            tasks=tasks,
+            seeds=seeds,
             baselines=baselines,
-            datasets=_datasets(args.data),
-            config=_config(args),
+            datasets=datasets,
+            config=config,
             output_dir=args.output,
+            protocol=protocol,
         )
         print(table.format(paper=args.paper))
         return 0
