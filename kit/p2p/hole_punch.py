@@ -276,7 +276,6 @@ class HolePuncher:
         (a failure is logged at DEBUG and leaves the relayed connection alone)."""
         if not self._allowed(remote):
             return False
-        self.tried += 1
         self._initiating.add(remote)
         try:
             done = await asyncio.wait_for(self._upgrade(remote), UPGRADE_TIMEOUT)
@@ -286,8 +285,8 @@ class HolePuncher:
         finally:
             self._initiating.discard(remote)
         if done is None:  # the other side declined (busy with its own attempt): no verdict
-            self.tried -= 1
             return False
+        self.tried += 1  # attempts with a verdict
         if not done:
             self.failed += 1
         return done
