@@ -32,8 +32,8 @@ from typing import Any
 
 from kit.address import AddressError, parse_address
 from kit.dht.node import DHTNode
+from kit.dht.validation import owned_values
 from kit.errors import KitError
-from kit.metrics.collector import owned_values
 from kit.metrics.signed_store import SignedStore
 from kit.p2p.identity import Identity
 from kit.p2p.interfaces import Scope, scope

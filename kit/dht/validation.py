@@ -30,7 +30,7 @@ import abc
 import dataclasses
 import re
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 
@@ -98,6 +98,9 @@ def owner_marker(public_key: bytes) -> bytes:
     return b"[owner:" + b58encode(public_key).encode() + b"]"
 
 
+T = TypeVar("T")
+
+
 def find_owners(record: DHTRecord) -> set[bytes]:
     """The raw public keys named by ``[owner:...]`` markers in the record's key and subkey."""
     owners = set()
@@ -105,6 +108,24 @@ def find_owners(record: DHTRecord) -> set[bytes]:
         for match in _OWNER_RE.finditer(part):
             owners.add(b58decode(match.group(1).decode()))
     return owners
+
+
+def owned_values(value: Any, parse: Callable[[Any], T | None]) -> list[tuple[bytes, T]]:
+    """The entries of a ``node.get`` answer whose subkey has exactly one owner marker, parsed
+    (``parse`` returns None for a malformed one: skipped), each with its owner's public key."""
+    records: list[tuple[bytes, T]] = []
+    if not isinstance(value, dict):
+        return records
+    for subkey, entry in value.items():
+        if not isinstance(subkey, bytes):
+            continue
+        owners = find_owners(DHTRecord(b"", subkey, b"", 0.0))
+        if len(owners) != 1:
+            continue
+        record = parse(getattr(entry, "value", None))
+        if record is not None:
+            records.append((next(iter(owners)), record))
+    return records
 
 
 def signed_payload(record: DHTRecord, inner_value: bytes) -> bytes:

@@ -17,11 +17,11 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from kit.auth.revocation import RevocationList
 from kit.dht.node import DHTNode, get_dht_time
-from kit.dht.validation import DHTRecord, find_owners
+from kit.dht.validation import owned_values
 from kit.errors import ConfigError, KitError, KitUsageError, MetricsStateError
 from kit.metrics.attestations import AttestationRecord, attestations_key
 from kit.metrics.book import LossPoint, MetricsBook
@@ -31,7 +31,6 @@ from kit.metrics.records import ContributionRecord, metrics_key
 from kit.metrics.verification import token_verifier
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 def owned_records(value: Any) -> list[tuple[bytes, ContributionRecord]]:
@@ -46,24 +45,6 @@ def owned_records(value: Any) -> list[tuple[bytes, ContributionRecord]]:
 def owned_attestations(value: Any) -> list[tuple[bytes, AttestationRecord]]:
     """The well-formed records of a ``node.get(attestations_key)`` answer, with their signers."""
     return owned_values(value, AttestationRecord.from_dict)
-
-
-def owned_values(value: Any, parse: Callable[[Any], T | None]) -> list[tuple[bytes, T]]:
-    """The entries of a ``node.get`` answer whose subkey has exactly one owner marker, parsed
-    (``parse`` returns None for a malformed one: skipped), each with its owner's public key."""
-    records: list[tuple[bytes, T]] = []
-    if not isinstance(value, dict):
-        return records
-    for subkey, entry in value.items():
-        if not isinstance(subkey, bytes):
-            continue
-        owners = find_owners(DHTRecord(b"", subkey, b"", 0.0))
-        if len(owners) != 1:
-            continue
-        record = parse(getattr(entry, "value", None))
-        if record is not None:
-            records.append((next(iter(owners)), record))
-    return records
 
 
 class MetricsCollector:

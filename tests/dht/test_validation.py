@@ -8,6 +8,7 @@ from typing import Any
 import msgpack
 import pytest
 
+from kit.dht.storage import ValueWithExpiration
 from kit.dht.validation import (
     SIGNATURE_TAG,
     CompositeValidator,
@@ -17,6 +18,7 @@ from kit.dht.validation import (
     check_record,
     default_validator,
     find_owners,
+    owned_values,
     owner_marker,
     signed_payload,
 )
@@ -163,3 +165,24 @@ def test_check_record_runs_every_check_a_storing_node_needs() -> None:
         check_record(DHTRecord(b"\xc1", None, pack(1), 10.0), validator, LIMITS, now=0.0)
     with pytest.raises(InvalidRecord):
         check_record(record("k", None, 1, expiration=float("nan")), validator, LIMITS, now=0.0)
+
+
+def test_owned_values_keeps_entries_with_one_owner_and_a_well_formed_value() -> None:
+    alice, bob = Identity.generate().public_key, Identity.generate().public_key
+
+    def entry(value: Any) -> ValueWithExpiration[Any]:
+        return ValueWithExpiration(value, 100.0)
+
+    def parse(value: Any) -> int | None:
+        return value if isinstance(value, int) else None
+
+    answer = {
+        owner_marker(alice): entry(1),
+        b"x" + owner_marker(bob): entry(2),
+        owner_marker(alice) + owner_marker(bob): entry(3),  # two owners: whose is it?
+        b"nobody": entry(4),
+        owner_marker(bob): entry("malformed"),
+        "not-bytes": entry(5),
+    }
+    assert sorted(owned_values(answer, parse)) == [(alice, 1), (bob, 2)]
+    assert owned_values(None, parse) == [] and owned_values(entry(1), parse) == []
