@@ -24,7 +24,6 @@ volunteer's ``RelayClient`` registers with the first that accept it).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
 from collections.abc import Callable, Collection, Sequence
@@ -33,10 +32,10 @@ from typing import Any
 from kit.address import AddressError, parse_address
 from kit.dht.node import DHTNode
 from kit.dht.validation import owned_values
-from kit.errors import KitError
 from kit.metrics.signed_store import SignedStore
 from kit.p2p.identity import Identity
 from kit.p2p.interfaces import Scope, scope
+from kit.runtime import PeriodicTask
 
 logger = logging.getLogger(__name__)
 
@@ -98,34 +97,7 @@ def relay_addresses(
     return found
 
 
-class _Periodic:
-    """A coroutine every ``period`` seconds, as one owned task on the runtime loop."""
-
-    period: float
-    _task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name=type(self).__name__)
-
-    async def shutdown(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self.once()
-            except KitError as e:  # the DHT recovers; the next period tries again
-                logger.debug("%s: %s", type(self).__name__, e)
-            await asyncio.sleep(self.period)
-
-    async def once(self) -> None:
-        raise NotImplementedError
-
-
-class RelayAnnouncer(_Periodic):
+class RelayAnnouncer(PeriodicTask):
     """Keeps this relay's record in the DHT (a task on the runtime loop).
 
     Args:
@@ -167,7 +139,7 @@ class RelayAnnouncer(_Periodic):
         await self._store.store(record)
 
 
-class RelayDirectory(_Periodic):
+class RelayDirectory(PeriodicTask):
     """The coordinator's view of the member relays, read every ``period`` seconds.
 
     Args:

@@ -24,7 +24,7 @@ import threading
 from collections.abc import Coroutine, Iterable
 from typing import Any, Literal, TypeVar, overload
 
-from kit.errors import KitTimeout, KitUsageError
+from kit.errors import KitError, KitTimeout, KitUsageError
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +157,38 @@ class Runtime:
             return
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout)
+
+
+class PeriodicTask:
+    """A coroutine (:meth:`once`) every ``period`` seconds, as one owned task on the running
+    loop: :meth:`start` it there, :meth:`shutdown` cancels it. A ``KitError`` from one run is
+    logged (the DHT recovers) and the next period tries again; a bug propagates and ends it."""
+
+    period: float
+    _task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Start the task (call on the loop that should run it)."""
+        if self._task is not None:
+            raise KitUsageError(f"{type(self).__name__}.start() was called twice - help: once")
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=type(self).__name__)
+
+    async def shutdown(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.once()
+            except KitError as e:  # the DHT recovers; the next period tries again
+                logger.debug("%s: %s", type(self).__name__, e)
+            await asyncio.sleep(self.period)
+
+    async def once(self) -> None:
+        raise NotImplementedError
 
 
 def _cancel_all_tasks(loop: asyncio.AbstractEventLoop) -> None:

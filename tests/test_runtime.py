@@ -1,4 +1,4 @@
-"""The one background loop and its blocking facade."""
+"""The one background loop, its blocking facade, and periodic tasks on it."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from kit.errors import KitTimeout, KitUsageError
-from kit.runtime import Runtime
+from kit.errors import KitTimeout, KitUsageError, PeerUnavailable
+from kit.runtime import PeriodicTask, Runtime
 
 
 @pytest.fixture
@@ -68,3 +68,31 @@ def test_exceptions_propagate(runtime: Runtime) -> None:
 
     with pytest.raises(ValueError, match="boom"):
         runtime.call(fail(), timeout=5)
+
+
+async def test_a_periodic_task_runs_every_period_survives_kit_errors_and_stops() -> None:
+    class Ticks(PeriodicTask):
+        period = 0.01
+
+        def __init__(self) -> None:
+            self.runs = 0
+
+        async def once(self) -> None:
+            self.runs += 1
+            if self.runs == 2:
+                raise PeerUnavailable("the DHT is down for a moment")  # logged, goes on
+
+    ticks = Ticks()
+    ticks.start()
+    with pytest.raises(KitUsageError, match="called twice"):
+        ticks.start()
+    for _ in range(200):  # bounded: 2 s at most
+        if ticks.runs >= 4:
+            break
+        await asyncio.sleep(0.01)
+    assert ticks.runs >= 4  # the error on the 2nd run did not end it
+    await ticks.shutdown()
+    stopped = ticks.runs
+    await asyncio.sleep(0.05)
+    assert ticks.runs == stopped
+    await ticks.shutdown()  # twice: nothing to do

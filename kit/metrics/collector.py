@@ -12,7 +12,6 @@ What this module does not do: the accounting rules (``book``), publishing (``rep
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 from collections.abc import Callable
@@ -22,13 +21,14 @@ from typing import Any
 from kit.auth.revocation import RevocationList
 from kit.dht.node import DHTNode, get_dht_time
 from kit.dht.validation import owned_values
-from kit.errors import ConfigError, KitError, KitUsageError, MetricsStateError
+from kit.errors import ConfigError, MetricsStateError
 from kit.metrics.attestations import AttestationRecord, attestations_key
 from kit.metrics.book import LossPoint, MetricsBook
 from kit.metrics.history import MetricsHistory
 from kit.metrics.ledger import AttestationLedger
 from kit.metrics.records import ContributionRecord, metrics_key
 from kit.metrics.verification import token_verifier
+from kit.runtime import PeriodicTask
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def owned_attestations(value: Any) -> list[tuple[bytes, AttestationRecord]]:
     return owned_values(value, AttestationRecord.from_dict)
 
 
-class MetricsCollector:
+class MetricsCollector(PeriodicTask):
     """Reads every peer's contribution record and keeps the run's :class:`MetricsBook`.
 
     Create and :meth:`start` it on the runtime loop (the coordinator does).
@@ -99,27 +99,15 @@ class MetricsCollector:
             attested = authority_public_key is not None
         if attested and self.book.ledger is None:
             self.book.ledger = AttestationLedger()
-        self._task: asyncio.Task[None] | None = None
         self.fetches = 0  # completed fetches (diagnostics, tests)
         self.history = MetricsHistory()  # peers online and samples/s over time (the charts)
         self._load()
 
     # --- lifecycle ------------------------------------------------------------------------
 
-    def start(self) -> None:
-        """Start fetching (call on the runtime loop)."""
-        if self._task is not None:
-            raise KitUsageError("MetricsCollector.start() was called twice - help: call it once")
-        self._task = asyncio.get_running_loop().create_task(
-            self._run(), name="kit-metrics-collector"
-        )
-
     async def shutdown(self) -> None:
         """Stop fetching and save the book one last time."""
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await super().shutdown()
         self._save()
 
     async def collect(self) -> int:
@@ -141,13 +129,9 @@ class MetricsCollector:
         self.history.add(now, summary["peers_online"], summary["samples_per_second"])
         return accepted
 
-    async def _run(self) -> None:
-        while True:
-            try:
-                self._save(book=await self.collect() > 0)  # the charts move every time
-            except KitError as e:  # the DHT recovers; the next period retries
-                logger.debug("fetching metrics records failed: %s", e)
-            await asyncio.sleep(self.period)
+    async def once(self) -> None:
+        """One fetch (every ``period`` once started), then save (the charts move every time)."""
+        self._save(book=await self.collect() > 0)
 
     # --- what the dashboard reads ---------------------------------------------------------
 
