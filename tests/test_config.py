@@ -277,7 +277,6 @@ BAD_RUNS: list[tuple[dict[str, object], str]] = [
     ({"access": {"open": "yes"}}, "true or false"),
     ({"access": {"authority_public_key": "0OIl", "coordinator": COORDINATOR}}, "not base58"),
     ({"access": {"authority_public_key": "abc", "coordinator": COORDINATOR}}, "not an Ed25519"),
-    ({"access": {"authority_public_key": AUTHORITY_KEY}}, "coordinator is missing"),
     ({"access": {"coordinator": "127.0.0.1:31337"}}, "is not a kit address"),
     ({"access": {"token_lifetime": 5}}, "must be >= 60"),
     ({"access": {"check_seconds": 0.1}}, "must be >= 0.5"),
@@ -455,3 +454,9 @@ def test_sections_are_frozen() -> None:
             setattr(section, "run_id", "other")  # noqa: B010 (mypy knows they are frozen)
     assert isinstance(CollaborationConfig().size_adaptive_threshold, int)
     assert OptimizerConfig(lr=1).lr == 1.0
+
+
+def test_an_authority_needs_no_coordinator_address() -> None:
+    """Volunteers reach the coordinator through its join link; the address is informational."""
+    access = AccessConfig.from_dict({"authority_public_key": AUTHORITY_KEY})
+    assert access.authority_public_key == AUTHORITY_KEY and access.coordinator is None

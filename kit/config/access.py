@@ -46,7 +46,7 @@ class AccessConfig:
     organizations: tuple[str, ...] = ()  # members of these Hub organizations may join (any role)
     open: bool = False  # true: any Hub user may join (still named in tokens, so revocable)
     authority_public_key: str | None = None  # base58 Ed25519 key that signs tokens; null = no auth
-    coordinator: str | None = None  # kit address of the coordinator, e.g. /dns/host/tcp/443/wss/p2p/ID
+    coordinator: str | None = None  # the coordinator's kit address, shown on /api/run (informational: volunteers use the join link)
     bootstrap_peers: tuple[str, ...] = ()  # more public peers (`kit dht`) volunteers join and relay through
     token_lifetime: float = 1_800.0  # seconds a token is valid; lower = removals apply sooner, more renewals
     check_seconds: float = 30.0  # every peer re-reads the ban list and checks tokens this often; lower = bans apply sooner
@@ -67,12 +67,6 @@ class AccessConfig:
         check_bool(f"{where}.open", self.open)
         if self.authority_public_key is not None:
             _check_authority_key(f"{where}.authority_public_key", self.authority_public_key)
-            if self.coordinator is None:
-                raise config_error(
-                    f"{where}.coordinator",
-                    "is missing, but peers need it to get tokens from the authority",
-                    "set it to the address the coordinator prints at start",
-                )
         if self.coordinator is not None:
             _check_address(f"{where}.coordinator", self.coordinator)
         if not isinstance(self.bootstrap_peers, tuple):
