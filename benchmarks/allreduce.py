@@ -13,8 +13,10 @@ every round. Before a round each peer refills its tensor, passes a file barrier,
 ``step()``; the RoundResult splits the time into matchmaking and all-reduce. A round's time is the
 slowest peer's; "steady" means rounds 2..R. After each round the same processes run the plain-TCP
 references of ``tcp_reference.py`` (``--no-tcp-bound`` skips them): the bare copy of the round's
-bytes (``vs_tcp_bound``) and the least a correct butterfly does (``vs_tcp_butterfly``,
-``tcp_butterfly_vs_tcp_bound``: the machine's floor for any all-reduce; none and fp16 only).
+bytes (``vs_tcp_bound``), the least a correct butterfly does (``vs_tcp_butterfly``,
+``tcp_butterfly_vs_tcp_bound``: the machine's floor for any all-reduce; none and fp16 only), and
+that butterfly with the checks and all-or-nothing commit of kit's guarantees
+(``vs_tcp_safe_butterfly``, ``safe_butterfly_vs_butterfly``: the floor of a safe all-reduce).
 
 While the peers run, the launcher samples every 0.25 s the PSS of all peer processes (shared
 pages counted once) and the CPU time of ours and of every other process on the machine (the
@@ -312,12 +314,14 @@ def run_references(
 ) -> dict[str, Any]:
     """Round ``r`` of the plain-TCP references (``tcp_reference.py``): wall and CPU seconds."""
     timeout, record = args.allreduce_timeout, {}
-    for name in ("tcp", "butterfly") if work is not None else ("tcp",):
+    names = ("tcp", "butterfly", "safe_butterfly") if work is not None else ("tcp",)
+    for name in names:
         if name == "tcp":
             mesh.arm_copy(inbox, args.barrier_timeout)
         else:
             work.copy_(own)
-            mesh.arm_butterfly(work, args.compression, args.barrier_timeout)
+            safe = name == "safe_butterfly"
+            mesh.arm_butterfly(work, args.compression, args.barrier_timeout, safe=safe)
         barrier(args.run_dir, f"{name}{r}", args.index, args.peers, args.barrier_timeout)
         record[f"{name}_wall_start"] = time.time()
         cpu0, t0 = os.times(), time.perf_counter()
@@ -329,8 +333,8 @@ def run_references(
         cpu1 = os.times()
         record[f"{name}_user_s"] = round(cpu1.user - cpu0.user, 3)
         record[f"{name}_sys_s"] = round(cpu1.system - cpu0.system, 3)
-    if work is not None:
-        record["butterfly_max_abs_err"] = float((work.double() - expected).abs().max())
+        if name != "tcp":
+            record[f"{name}_max_abs_err"] = float((work.double() - expected).abs().max())
     return record
 
 
@@ -581,6 +585,10 @@ def run_launcher(args: argparse.Namespace, argv: list[str]) -> int:
                 "butterfly_max_abs_err": max(
                     (x.get("butterfly_max_abs_err") or 0 for x in records), default=None
                 ),
+                "safe_butterfly_s": max((x.get("safe_butterfly_s") or 0) for x in records) or None,
+                "safe_butterfly_max_abs_err": max(
+                    (x.get("safe_butterfly_max_abs_err") or 0 for x in records), default=None
+                ),
                 # CPU seconds of all peers (user, system): kit's round, then TCP's
                 "cpu_user_sys_s": [
                     round(sum(x.get(k) or 0 for x in records), 3)
@@ -606,6 +614,13 @@ def run_launcher(args: argparse.Namespace, argv: list[str]) -> int:
     # butterfly_s / tcp_s.
     vs_butterfly = [x["allreduce_s"] / x["butterfly_s"] for x in steady if x["butterfly_s"]]
     floor = [x["butterfly_s"] / x["tcp_s"] for x in steady if x["butterfly_s"] and x["tcp_s"]]
+    # The same with kit's guarantees' passes (checks, all-or-nothing commit): the safe floor.
+    vs_safe = [x["allreduce_s"] / x["safe_butterfly_s"] for x in steady if x["safe_butterfly_s"]]
+    safe_cost = [
+        x["safe_butterfly_s"] / x["butterfly_s"]
+        for x in steady
+        if x["safe_butterfly_s"] and x["butterfly_s"]
+    ]
     cpu_rounds = None
     windows = [w for w in (sampler.window(x["wall_start"], x["wall_end"]) for x in steady) if w]
     if windows:
@@ -658,6 +673,16 @@ def run_launcher(args: argparse.Namespace, argv: list[str]) -> int:
         "tcp_butterfly_vs_tcp_bound": round(statistics.median(floor), 3) if floor else None,
         "tcp_butterfly_max_abs_err": max(
             (x["butterfly_max_abs_err"] or 0 for x in per_round), default=None
+        ),
+        "steady_tcp_safe_butterfly_s": summary(
+            [x["safe_butterfly_s"] for x in steady if x["safe_butterfly_s"]]
+        ),
+        "vs_tcp_safe_butterfly": round(statistics.median(vs_safe), 3) if vs_safe else None,
+        "safe_butterfly_vs_butterfly": (
+            round(statistics.median(safe_cost), 3) if safe_cost else None
+        ),
+        "tcp_safe_butterfly_max_abs_err": max(
+            (x["safe_butterfly_max_abs_err"] or 0 for x in per_round), default=None
         ),
         "max_abs_err": max((x["max_abs_err"] for x in per_round), default=None),
         "rmse_max": max((x["rmse_max_over_peers"] for x in per_round), default=None),

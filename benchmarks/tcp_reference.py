@@ -13,6 +13,11 @@ final buffers (``asyncio.BufferedProtocol``):
   as it is summed, decode the averages into the tensor. No protocol at all: no headers, no
   validation, no failure handling, no matchmaking. What remains between it and ``copy_round`` is
   the arithmetic and memory traffic any all-reduce must do on this machine.
+- ``butterfly_round(safe=True)`` (``vs_tcp_safe_butterfly``): the same, plus the passes a round
+  that cannot be poisoned or half-applied needs (kit's guarantees): every part checked for
+  NaN/inf before it is sent, every contribution before it is summed, every average before it is
+  used, and the averages staged and written into the tensor only once all of them arrived and
+  passed (all or nothing). Still no headers, no framing, no failure handling.
 """
 
 from __future__ import annotations
@@ -156,9 +161,12 @@ class TcpMesh:
 
     # --- butterfly: the least a correct all-reduce does -------------------------------------
 
-    def arm_butterfly(self, work: torch.Tensor, codec: str, timeout: float) -> None:
-        """Average ``work`` (flat float32, refilled by the caller) in the next butterfly round."""
-        self._butterfly = _Butterfly(self, work, codec)
+    def arm_butterfly(
+        self, work: torch.Tensor, codec: str, timeout: float, *, safe: bool = False
+    ) -> None:
+        """Average ``work`` (flat float32, refilled by the caller) in the next butterfly round;
+        ``safe``: with the checks and the all-or-nothing commit (see the module)."""
+        self._butterfly = _Butterfly(self, work, codec, safe)
         self._armed = self.runtime.call(self._butterfly.arm(), timeout=timeout)
 
     def butterfly_round(self, timeout: float) -> None:
@@ -181,10 +189,11 @@ class TcpMesh:
 class _Butterfly:
     """One round of a pipelined butterfly over the mesh: peer ``k`` reduces the ``k``-th part."""
 
-    def __init__(self, mesh: TcpMesh, work: torch.Tensor, codec: str) -> None:
+    def __init__(self, mesh: TcpMesh, work: torch.Tensor, codec: str, safe: bool) -> None:
         import torch
 
         self.mesh, self.work, self.n, self.me = mesh, work, mesh.n, mesh.index
+        self.safe = safe
         self.wire = getattr(torch, BUTTERFLY_WIRE_DTYPES[codec])
         numel = work.numel()
         self.bounds = [(k * numel // self.n, (k + 1) * numel // self.n) for k in range(self.n)]
@@ -202,7 +211,7 @@ class _Butterfly:
         for j, inbox in self.mesh.inboxes.items():
             contribution = torch.empty(self.mine.numel(), dtype=self.wire)
             start, end = self.bounds[j]
-            if self.wire == self.work.dtype:  # averages land in the tensor itself
+            if self.wire == self.work.dtype and not self.safe:  # they land in the tensor
                 average = self.work[start:end]
             else:
                 average = torch.empty(end - start, dtype=self.wire)
@@ -215,6 +224,8 @@ class _Butterfly:
         for j, inbox in self.mesh.inboxes.items():
             start, end = self.bounds[j]
             part = self.work[start:end].to(self.wire)  # a view when nothing is encoded
+            if self.safe and not is_finite(part):
+                raise ValueError(f"part {j} holds NaN or inf: not sent")
             inbox.transport.write(_bytes_of(part))  # type: ignore[attr-defined]
         self.parts_sent = True
         self.reduce_ready()  # what arrived before this peer's parts went out
@@ -235,7 +246,11 @@ class _Butterfly:
             start = self.reduced
             end = min(start + REDUCE_CHUNK, ready)
             total = self.mine[start:end]
+            if self.safe and not is_finite(total):  # (ours: checked before it was sent)
+                raise ValueError("our part holds NaN or inf")
             for contribution in self.contributions.values():
+                if self.safe and not is_finite(contribution[start:end]):
+                    continue  # a poisoned contribution is left out (kit drops that sender's)
                 total.add_(contribution[start:end])
             total.mul_(1.0 / self.n)
             back = _bytes_of(total.to(self.wire))
@@ -244,10 +259,19 @@ class _Butterfly:
             self.reduced = end
 
     def decode_averages(self) -> None:
+        if self.safe and not all(is_finite(average) for average in self.averages.values()):
+            return  # nothing is written: the tensor keeps its values (all or nothing)
         for j, average in self.averages.items():
             start, end = self.bounds[j]
             if average.data_ptr() != self.work[start:end].data_ptr():
                 self.work[start:end].copy_(average)
+
+
+def is_finite(tensor: torch.Tensor) -> bool:
+    """kit's check (one sum; element by element only when the sum is not finite)."""
+    from kit.averaging.compression import is_finite as kit_is_finite
+
+    return kit_is_finite(tensor)
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
