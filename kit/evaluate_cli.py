@@ -206,7 +206,19 @@ def _run_finetune(args: argparse.Namespace) -> int:
 def _run_series(args: argparse.Namespace) -> int:
     def go(args: argparse.Namespace) -> int:
         from kit import evaluate
+        from kit.evaluation.checkpoints import resolve_device
+        from kit.evaluation.plan import config_for_device
 
+        device = str(resolve_device(args.device).type)
+        config = config_for_device(_overrides(args), device=device)
+        if device == "cpu":  # the quick profile, as the notebook's series
+            logger.info(
+                "on a CPU: at every checkpoint the first %s training and %s evaluation examples "
+                "of each task, %d epoch(s) (the quick profile, with what you gave on top)",
+                config.max_train_examples or "all",
+                config.max_eval_examples or "all",
+                config.num_epochs,
+            )
         result = evaluate.evaluate_series(
             args.source,
             tasks=args.task or ("ner",),
@@ -214,7 +226,7 @@ def _run_series(args: argparse.Namespace) -> int:
             heldout_texts=args.heldout,
             max_points=args.max_points,
             datasets=_datasets(args.data),
-            config=_config(args),
+            config=config,
             output_dir=args.output,
             revision=args.revision,
             tokenizer=args.tokenizer,

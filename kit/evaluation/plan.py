@@ -234,6 +234,23 @@ def split_sizes(datasets: Mapping[str, Any] | None) -> dict[str, Mapping[str, in
     return sizes
 
 
+def config_for_device(
+    finetune: Mapping[str, Any] | None = None,
+    *,
+    device: str | None = None,
+    profile: QuickProfile = CPU_QUICK,
+) -> FinetuneConfig:
+    """The fine-tuning settings by the device: on a CPU the quick ``profile``'s subset and
+    epochs, else ``FinetuneConfig``'s defaults (the paper's), with ``finetune``'s fields on top.
+
+    ``device``: None = the one ``finetune["device"]`` (default "auto") resolves to.
+    """
+    overrides = dict(finetune or {})
+    device = device or str(resolve_device(overrides.get("device", "auto")).type)
+    base = profile.finetune_settings() if device == "cpu" else {}
+    return FinetuneConfig(**{**base, **overrides})
+
+
 def plan_evaluation(
     checkpoints: Sequence[Any] | None = None,
     *,
@@ -263,11 +280,8 @@ def plan_evaluation(
         device: None = CUDA, else MPS, else CPU (as the fine-tuning picks).
         step: times one training step (tests pass a stand-in).
     """
-    overrides = dict(finetune or {})
     if config is None:
-        device = device or str(resolve_device(overrides.get("device", "auto")).type)
-        base = profile.finetune_settings() if device == "cpu" else {}
-        config = FinetuneConfig(**{**base, **overrides})
+        config = config_for_device(finetune, device=device, profile=profile)
     device = device or str(resolve_device(config.device).type)
     gpu = device != "cpu"
     series = run_checkpoints(run, state_dir, token=token, endpoint=endpoint)

@@ -115,3 +115,27 @@ def test_bad_data_argument(world: TinyWorld, caplog: pytest.LogCaptureFixture) -
     with caplog.at_level(logging.ERROR):
         code = main(["evaluate", "series", str(world.root), "--data", "ner"])
     assert code == 1 and "--data expects TASK=PATH" in caplog.text
+
+
+def test_series_on_a_cpu_uses_the_quick_profile_with_what_is_given_on_top(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from kit import evaluate
+
+    seen: list[dict] = []
+
+    class Result:
+        def to_dict(self) -> dict:
+            return {"points": [{"step": 1}]}
+
+    def series(source: str, **kwargs: object) -> Result:
+        seen.append(kwargs)
+        return Result()
+
+    monkeypatch.setattr(evaluate, "evaluate_series", series)
+    with caplog.at_level(logging.INFO, logger="kit"):
+        assert main(["evaluate", "series", "run/", "--device", "cpu", "--epochs", "1"]) == 0
+    config = seen[0]["config"]
+    assert (config.max_train_examples, config.max_eval_examples) == (2_000, 1_000)  # the profile
+    assert config.num_epochs == 1  # given
+    assert "on a CPU: at every checkpoint the first 2000 training" in caplog.text
