@@ -11,8 +11,9 @@ What is printed on stdout is the product (the table, or one JSON line per result
 stderr. ``finetune`` plans as the notebook does (``kit.evaluation.plan``): what is not given is
 chosen by the device (a CPU: the quick profile, whose table says so in a column; a GPU: the
 paper's protocol), and the plan is logged before anything long starts; ``--paper-protocol``
-takes exactly what is given instead. Heavy imports (torch, transformers, datasets) happen only when a command runs, so that
-``kit --help`` stays fast. Nothing but argument parsing and printing lives here.
+takes exactly what is given instead. ``series`` uses the quick profile's subset on a CPU too.
+Heavy imports (torch, transformers, datasets) happen only when a command runs, so that ``kit
+--help`` stays fast. Nothing but argument parsing and printing lives here.
 """
 
 from __future__ import annotations
