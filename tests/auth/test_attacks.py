@@ -74,6 +74,7 @@ from kit.testing.fake_hub import FakeHub
 from tests.conftest import TIMEOUT_FACTOR
 from tests.p2p.test_frame_auth import TamperingProxy
 from tests.test_coordinator import access_coordinator
+from tests.threads import run_in_threads
 
 pytestmark = [pytest.mark.sockets]
 
@@ -636,11 +637,7 @@ def test_15_the_legitimate_users_still_train_and_are_credited(world: World) -> N
             dht.shutdown()
             run(authorizer.close())
 
-    threads = [threading.Thread(target=train, args=(u, i)) for i, u in enumerate(("alice", "dave"))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(150)
+    run_in_threads(train, [(u, i) for i, u in enumerate(("alice", "dave"))], timeout=150)
     assert results == {"alice": 3, "dave": 3}
     rows = {row["username"]: row for row in world.coordinator.collector.leaderboard()}
     for user in ("alice", "dave"):

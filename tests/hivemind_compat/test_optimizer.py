@@ -14,7 +14,6 @@ kit's ``tests/optim``.
 from __future__ import annotations
 
 import functools
-import threading
 import time
 from typing import Any
 
@@ -28,6 +27,7 @@ from kit.averaging.compression import TensorRole
 from kit.p2p.identity import Identity
 from kit.runtime import get_runtime
 from tests.hivemind_compat.conftest import Swarm
+from tests.threads import run_in_threads
 
 pytestmark = pytest.mark.sockets
 
@@ -194,31 +194,20 @@ def test_several_peers_converge_and_a_late_joiner_loads_their_state(swarm: Swarm
         _wait_until_seen(opt, n_peers)
     loss_before = _full_loss(models[0], features, targets)
     samples = [0] * n_peers
-    errors: list[BaseException] = []
 
     def train(index: int) -> None:
-        try:
-            opt, model = opts[index], models[index]
-            generator = torch.Generator().manual_seed(index)
-            deadline = time.monotonic() + 60
-            while opt.local_epoch < total_epochs and time.monotonic() < deadline:
-                batch = torch.randint(
-                    0, len(features), (opt.batch_size_per_step,), generator=generator
-                )
-                F.mse_loss(model(features[batch]), targets[batch]).backward()
-                opt.step()
-                samples[index] += opt.batch_size_per_step
-                opt.zero_grad()
-                time.sleep(0.05 + 0.025 * index)
-        except BaseException as e:  # reported by the test's thread
-            errors.append(e)
+        opt, model = opts[index], models[index]
+        generator = torch.Generator().manual_seed(index)
+        deadline = time.monotonic() + 60
+        while opt.local_epoch < total_epochs and time.monotonic() < deadline:
+            batch = torch.randint(0, len(features), (opt.batch_size_per_step,), generator=generator)
+            F.mse_loss(model(features[batch]), targets[batch]).backward()
+            opt.step()
+            samples[index] += opt.batch_size_per_step
+            opt.zero_grad()
+            time.sleep(0.05 + 0.025 * index)
 
-    threads = [threading.Thread(target=train, args=(index,)) for index in range(n_peers)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(90)
-    assert not errors, errors
+    run_in_threads(train, [(index,) for index in range(n_peers)], timeout=90)
     assert [opt.local_epoch for opt in opts] == [total_epochs] * n_peers
     assert all(opt.tracker.global_epoch == total_epochs for opt in opts)
     # Every epoch took at least the target batch. (hivemind's upper bound, 1.2 times that, is
@@ -336,11 +325,7 @@ def test_state_averaging_compression_sees_parameter_roles(swarm: Swarm) -> None:
             opts[index].zero_grad()
             time.sleep(0.02)
 
-    threads = [threading.Thread(target=train, args=(index,)) for index in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
+    run_in_threads(train, [(index,) for index in range(2)], timeout=60)
     assert codec.infos, "no parameter round ran"
     if TensorRole.PARAMETER not in {info.role for info in codec.infos}:
         raise RoleMissing(f"roles seen: {sorted({info.role.name for info in codec.infos})}")

@@ -8,7 +8,6 @@ mean of all 12 gradients, as one process with the whole global batch would.
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from typing import Any
 
@@ -19,6 +18,7 @@ import kit
 from kit.averaging.grid import GridAverage
 from kit.p2p.identity import PeerID
 from kit.p2p.memory import MemoryNetwork
+from tests.threads import run_in_threads
 
 PEERS, GROUP_SIZE, LR = 12, 4, 0.1
 LATE = 1.5  # s: less than a round-2 leader's matchmaking time (3 s), more than a round's
@@ -96,7 +96,6 @@ def run_swarm(late: list[PeerID] | None = None) -> None:
     ``late`` is filled with peer 0's id (the test's delay hook reads it)."""
     network = MemoryNetwork()
     target = sum(len(batch_of(peer)[0]) for peer in range(PEERS))
-    errors: list[BaseException] = []
     with contextlib.ExitStack() as stack:
         dhts: list[Any] = []
         for _ in range(PEERS):
@@ -123,25 +122,17 @@ def run_swarm(late: list[PeerID] | None = None) -> None:
             stack.callback(opt.shutdown)
 
         def train(peer: int) -> None:
-            try:
-                inputs, targets = batch_of(peer)
-                loss = torch.nn.functional.mse_loss(models[peer](inputs), targets)
-                loss.backward()
-                opts[peer].step(batch_size=len(inputs))
-                deadline = time.monotonic() + 90
-                while opts[peer].local_epoch == 0 and time.monotonic() < deadline:
-                    opts[peer].step(batch_size=0)  # our samples are in: wait for the others
-                    time.sleep(0.02)
-                assert opts[peer].local_epoch == 1, "no global step in time"
-            except BaseException as e:  # reported by the test's thread
-                errors.append(e)
+            inputs, targets = batch_of(peer)
+            loss = torch.nn.functional.mse_loss(models[peer](inputs), targets)
+            loss.backward()
+            opts[peer].step(batch_size=len(inputs))
+            deadline = time.monotonic() + 90
+            while opts[peer].local_epoch == 0 and time.monotonic() < deadline:
+                opts[peer].step(batch_size=0)  # our samples are in: wait for the others
+                time.sleep(0.02)
+            assert opts[peer].local_epoch == 1, "no global step in time"
 
-        threads = [threading.Thread(target=train, args=(peer,)) for peer in range(PEERS)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(120)
-        assert not errors, errors
+        run_in_threads(train, [(peer,) for peer in range(PEERS)], timeout=120)
         expected = reference()
         for opt, model in zip(opts, models, strict=True):
             for got, want in zip(model.parameters(), expected, strict=True):
