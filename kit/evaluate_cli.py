@@ -174,7 +174,8 @@ def _run_finetune(args: argparse.Namespace) -> int:
                     "or Hub ids, or leave --paper-protocol out to judge the run's checkpoints"
                 )
             baselines = () if args.no_baselines else (args.baseline or evaluate.DEFAULT_BASELINES)
-            models, seeds, config, protocol = args.models, args.seeds or 3, _config(args), None
+            seeds = 3 if args.seeds is None else args.seeds  # (0 is refused by compare)
+            models, config, protocol = args.models, _config(args), None
         else:
             plan = evaluate.plan_evaluation(
                 args.models or None,
