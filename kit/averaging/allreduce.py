@@ -54,6 +54,7 @@ from kit.averaging.chunk_stream import (
     is_raw,
     payload_bound,
     payload_of,
+    plain_float16,
     receive_chunk,
     send_chunk,
     tensor_header,
@@ -438,6 +439,8 @@ class AllReduceRunner:
         try:
             if raw:
                 values = torch.frombuffer(payload, dtype=dtype, count=spec.size)
+            elif plain_float16(header, spec, dtype):  # summed as float16 (widened by add_)
+                values = torch.frombuffer(payload, dtype=torch.float16, count=spec.size)
             else:
                 values = decode_chunk(header, payload, spec, dtype, check_finite=False)
         except InvalidTensor as e:

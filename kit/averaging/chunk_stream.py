@@ -17,6 +17,7 @@ codecs decode from there.
 from __future__ import annotations
 
 import struct
+import sys
 from typing import Any, Protocol, cast
 
 import torch
@@ -69,6 +70,19 @@ def is_raw(header: dict[str, Any], spec: ChunkSpec, dtype: torch.dtype) -> bool:
         and dtype not in (torch.bool, torch.bfloat16)
         and header.get("shape") == [spec.size]
         and header.get("nbytes") == spec.size * dtype.itemsize
+    )
+
+
+def plain_float16(header: dict[str, Any], spec: ChunkSpec, dtype: torch.dtype) -> bool:
+    """FLOAT16 values of a float tensor's chunk, nothing else in the payload: usable as they
+    are (a float16 view of the frame), converted only where they are written."""
+    return (
+        header.get("codec") == Codec.FLOAT16
+        and dtype.is_floating_point
+        and sys.byteorder == "little"  # the wire's byte order
+        and header.get("dtype") == DTYPE_NAMES.get(dtype)
+        and header.get("shape") == [spec.size]
+        and header.get("nbytes") == spec.size * 2
     )
 
 

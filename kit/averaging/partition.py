@@ -256,7 +256,8 @@ class PartReducer:
     """An aggregator's running weighted average of its own part, chunk by chunk.
 
     Every sender streams the part's chunks in order; ``accept`` checks each chunk and adds
-    ``weight * values`` into a float32 accumulator. A chunk is complete once every sender
+    ``weight * values`` into a float32 accumulator (values of the tensor's dtype, or float16
+    values of a float tensor: the FLOAT16 codec's, summed as they arrived). A chunk is complete once every sender
     delivered it, had it rejected, or was excluded; its average is then over the senders that
     delivered it, with their weights renormalised. ``accept`` and ``exclude`` return the chunks
     they completed, so the averages can stream back while others are still arriving.
@@ -332,7 +333,9 @@ class PartReducer:
         spec = self.chunks[chunk_index]
         dtype = self.plan.tensors[spec.tensor_index].dtype
         problem = None
-        if not isinstance(values, torch.Tensor) or values.dtype != dtype:
+        if not isinstance(values, torch.Tensor) or not (
+            values.dtype == dtype or (values.dtype == torch.float16 and dtype.is_floating_point)
+        ):
             problem = ("dtype", f"is {getattr(values, 'dtype', type(values))}, not {dtype}")
         elif values.dim() != 1 or values.numel() != spec.size:
             problem = ("size", f"has shape {list(values.shape)}, not [{spec.size}]")

@@ -6,10 +6,11 @@ vector in order, compressed, while it reads the averages coming back on the same
 average is checked (the chunk expected, a peer set within the group's senders, finite values)
 and kept, staged, as the values the round writes into the tensors only when it ends
 (``AllReduceRunner._commit``: all or nothing per part): raw values in the very frame they
-arrived in (no copy before the commit), others as decoded. With a lossy codec the
-aggregator sends ``delta`` (the compressed difference between the average and what this peer
-sent), added here to this peer's exact values: one rounding of a small difference instead of a
-second rounding of the whole average (``kit.averaging.averages``).
+arrived in (no copy before the commit), as are float16 values (the commit widens them as it
+writes), others as decoded. With a lossy codec the aggregator sends ``delta`` (the compressed
+difference between the average and what this peer sent), added here to this peer's exact
+values: one rounding of a small difference instead of a second rounding of the whole average
+(``kit.averaging.averages``).
 
 Separate from ``allreduce`` (the round: which parts, the aggregator's side, the report and the
 commit) because a sender's streams are a concern of their own: they meet the round only where a
@@ -35,6 +36,7 @@ from kit.averaging.chunk_stream import (
     is_raw,
     payload_bound,
     payload_of,
+    plain_float16,
     receive_chunk,
     send_chunk,
     tensor_header,
@@ -87,7 +89,8 @@ class SenderSide:
         self.bytes_received = 0
 
     def staged(self, spec: ChunkSpec) -> torch.Tensor:
-        """The received average of chunk ``spec`` (flat)."""
+        """The received average of chunk ``spec`` (flat; float16 values of a float tensor stay
+        float16 here: copy them into the tensor, ``copy_`` widens them)."""
         return self.averages[(spec.part_index, spec.chunk_index)]
 
     async def exchange_part(self, k: int) -> PartReport:
@@ -185,6 +188,11 @@ class SenderSide:
         self.bytes_received += len(payload)
         if not delta and is_raw(codec_header, spec, dtype):  # the frame's buffer is ours
             values = torch.frombuffer(payload, dtype=dtype, count=spec.size)
+            if not is_finite(values):
+                raise InvalidTensor(f"the average of chunk {spec.chunk_index} holds NaN or inf")
+        elif not delta and plain_float16(codec_header, spec, dtype):  # widened by the commit's
+            # copy: one pass, where decoding first wrote (and faulted in) a float32 copy
+            values = torch.frombuffer(payload, dtype=torch.float16, count=spec.size)
             if not is_finite(values):
                 raise InvalidTensor(f"the average of chunk {spec.chunk_index} holds NaN or inf")
         else:  # a new tensor; a difference is checked once added to our values

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from kit.errors import ConnectionLost, FrameTooLarge, MalformedFrame
+from kit.p2p.payload_pool import PAYLOADS, uninitialized
 from kit.p2p.stream import Message, message_parts
 
 OP_CONTINUATION, OP_TEXT, OP_BINARY, OP_CLOSE, OP_PING, OP_PONG = 0x0, 0x1, 0x2, 0x8, 0x9, 0xA
@@ -53,11 +54,6 @@ def apply_mask(buffer: bytearray | memoryview, key: bytes) -> None:
         np.bitwise_xor(word_view, np.frombuffer(key, dtype=np.uint32)[0], out=word_view)
     for index in range(words * 4, len(view)):
         view[index] ^= key[index % 4]
-
-
-def _uninitialized(size: int) -> memoryview:
-    """A writable buffer of ``size`` bytes whose pages cost memory only once written to."""
-    return memoryview(np.empty(size, dtype=np.uint8)).cast("B")  # type: ignore[arg-type]
 
 
 def mask_into(
@@ -104,10 +100,7 @@ class FrameReader:
         self.messages: collections.deque[bytes | bytearray | memoryview] = collections.deque()
         self.replies: list[tuple[int, bytes]] = []
         self.closed_by_peer = False
-        # np.empty, not bytearray: nothing is zero-filled, so the pages of a buffer become
-        # resident only as bytes arrive in them. A peer that declares a large frame and sends
-        # nothing (or an idle connection) costs no memory (found by tests/p2p/test_fuzz.py).
-        self.stage = _uninitialized(_STAGE_SIZE)
+        self.stage = uninitialized(_STAGE_SIZE)
         self.start = self.end = 0  # unparsed bytes are stage[start:end]
         self.payload: memoryview | None = None  # a large payload being read directly
         self.payload_filled = 0
@@ -188,7 +181,7 @@ class FrameReader:
             self._frame_done(opcode, fin, key, payload)
             return True
         if length >= _DIRECT_READ or offset + length > len(self.stage):
-            self.payload = _uninitialized(length)
+            self.payload = PAYLOADS.take(length)  # resident memory when a frame was freed
             self.payload[:have] = self.stage[body_start : self.end]
             self.payload_filled = have
             self.payload_frame = (opcode, fin, key)

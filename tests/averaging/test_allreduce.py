@@ -480,6 +480,67 @@ async def test_an_aggregator_that_dies_leaves_its_part_local_and_says_so() -> No
     )
 
 
+class PoisoningAggregator(AllReduceRunner):
+    """Puts a NaN into the average of its part's second chunk (a hostile or broken aggregator):
+    ``nan`` is the bytes of one NaN in the codec's layout."""
+
+    nan = b""
+
+    async def _write_averages(self, stream: StreamAPI, sender: PeerID) -> None:
+        assert self._averages is not None
+        for chunk in range(len(self._averages)):
+            await self._wait_progress(chunk, 2.0) if chunk >= self._ready else None
+            head, payload = self._averages.for_sender(sender, chunk)
+            if chunk == 1 and payload is not None:
+                poisoned = bytearray(payload)
+                poisoned[: len(self.nan)] = self.nan
+                payload = memoryview(poisoned)
+            await send_chunk(stream, head, payload, timeout=1.0)
+        await stream.close()
+
+
+@pytest.mark.parametrize(
+    ("compression", "lossy_deltas", "nan"),
+    [
+        (NoCompression(), True, b"\x00\x00\xc0\x7f"),  # float32, used in its frame
+        (Float16Compression(), False, b"\x00\x7e"),  # float16, staged as it arrived
+        (Float16Compression(), True, b"\x00\x7e"),  # a float16 difference, added to ours
+    ],
+    ids=["raw", "float16", "float16-delta"],
+)
+async def test_an_aggregator_whose_averages_hold_nan_has_its_part_left_local(
+    compression: CompressionBase, lossy_deltas: bool, nan: bytes
+) -> None:
+    swarm = Swarm()
+    peers = await swarm.add(3)
+    group = make_group(peers, [1.0, 2.0, 3.0])
+    values = [random_tensors(i) for i in range(3)]
+    tensors = [[t.clone() for t in v] for v in values]
+    PoisoningAggregator.nan = nan
+    runners = [
+        swarm.runner(
+            i,
+            group,
+            tensors[i],
+            compression=compression,
+            lossy_deltas=lossy_deltas,
+            cls=PoisoningAggregator if i == 1 else AllReduceRunner,
+        )
+        for i in range(3)
+    ]
+    reports = await run_all(runners)
+    plan = plan_for(tensors[0], group)
+    start, end = group.part_sizes[0], group.part_sizes[0] + group.part_sizes[1]
+    for i in (0, 2):
+        report = reports[i]
+        assert isinstance(report, RoundReport) and not report.is_full, report
+        assert report.parts[1].chunk_peers == (frozenset(),) * len(plan.parts[1])
+        assert report.parts[0].complete and report.parts[2].complete
+        got = flat(tensors[i])
+        assert torch.equal(got[start:end], flat(values[i])[start:end])  # all of part 1, local
+        assert bool(got.isfinite().all()) and not torch.equal(got[:start], flat(values[i])[:start])
+
+
 async def test_members_that_disagree_on_the_group_abort_without_writing() -> None:
     swarm = Swarm()
     peers = await swarm.add(3)

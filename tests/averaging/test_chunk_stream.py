@@ -15,6 +15,7 @@ from kit.averaging.chunk_stream import (
     is_raw,
     payload_bound,
     payload_of,
+    plain_float16,
     receive_chunk,
     send_chunk,
     tensor_header,
@@ -71,6 +72,22 @@ def test_raw_chunks_are_used_as_they_are() -> None:
     assert not is_raw({**header, "codec": 2}, spec(10), torch.float32)
     bf16 = NoCompression().compress(torch.zeros(10, dtype=torch.bfloat16)).header()
     assert not is_raw(bf16, spec(10), torch.bfloat16)  # bfloat16 travels as float32
+
+
+def test_plain_float16_chunks_are_used_as_they_are() -> None:
+    header = Float16Compression().compress(torch.zeros(10)).header()
+    assert plain_float16(header, spec(10), torch.float32)
+    assert plain_float16(
+        Float16Compression().compress(torch.zeros(10, dtype=torch.float64)).header(),
+        spec(10),
+        torch.float64,
+    )
+    assert not plain_float16(header, spec(11), torch.float32)
+    assert not plain_float16({**header, "nbytes": 21}, spec(10), torch.float32)
+    assert not plain_float16({**header, "dtype": "float64"}, spec(10), torch.float32)
+    assert not plain_float16({**header, "codec": 0}, spec(10), torch.float32)  # raw float32
+    scaled = ScaledFloat16Compression().compress(torch.zeros(10)).header()
+    assert not plain_float16(scaled, spec(10), torch.float32)  # statistics in the payload too
 
 
 def test_sizes_are_checked_before_anything_is_allocated_or_decoded() -> None:

@@ -247,7 +247,13 @@ def test_is_finite() -> None:
         torch.tensor([math.inf, -math.inf])
     )
     assert C.is_finite(torch.full((10,), 3e38))  # the sum overflows, the values are fine
-    assert C.is_finite(torch.full((100,), 60000.0, dtype=torch.float16))
+    for dtype in (torch.float16, torch.bfloat16):  # summed in their own dtype first
+        big = torch.full((100,), 60000.0, dtype=dtype)  # that sum overflows: a float32 one
+        assert C.is_finite(big)
+        for bad in (math.nan, math.inf, -math.inf):
+            poisoned = big.clone()
+            poisoned[41] = bad
+            assert not C.is_finite(poisoned) and not C.is_finite(poisoned[40:50] * 0 + bad)
     assert not C.is_finite(torch.tensor([1.0, math.inf], dtype=torch.float16))
 
 

@@ -298,6 +298,33 @@ def test_float16_tensors_accumulate_in_float32() -> None:
     assert torch.allclose(result[:35], expected, rtol=1e-5, atol=1e-6)
 
 
+def test_float16_values_of_a_float32_tensor_are_summed_as_they_arrived() -> None:
+    """The FLOAT16 codec's chunks are added without a float32 copy first: the same sums as of
+    the widened values, and a NaN among them is still refused."""
+    peers = {name: tensors_like(seed) for seed, name in enumerate("abc")}
+    weights = {"a": 3.0, "b": 1.0, "c": 2.0}
+    plan = PartitionPlan.build(describe(peers["a"]), [90], chunk_elements=30)
+    widened = {name: [t.half().float() for t in tensors] for name, tensors in peers.items()}
+    reducer = PartReducer(plan, 0, weights, ROUND)
+    for name in "abc":  # "a" first: the first contribution of each chunk is written, not added
+        for spec, view in plan.iter_part(peers[name], 0):
+            reducer.accept(name, ROUND, 0, spec.chunk_index, view.half())
+    expected = run_part(plan, 0, widened, weights)
+    for chunk in range(len(plan.parts[0])):
+        assert torch.equal(averaged(reducer, chunk), averaged(expected, chunk))
+    nan = plan.chunk_view(peers["b"], plan.parts[0][0]).half()
+    nan[2] = float("nan")
+    with pytest.raises(InvalidChunk) as rejected:
+        PartReducer(plan, 0, weights, ROUND).accept("b", ROUND, 0, 0, nan)
+    assert rejected.value.reason == "non_finite"
+    integers = PartitionPlan.build(
+        [TensorDescriptor.from_tensor(torch.zeros(10, dtype=torch.int32))], [10], chunk_elements=10
+    )
+    with pytest.raises(InvalidChunk) as refused:  # float16 stands in for float tensors only
+        PartReducer(integers, 0, {"a": 1.0}, ROUND).accept("a", ROUND, 0, 0, torch.zeros(10).half())
+    assert refused.value.reason == "dtype"
+
+
 def test_apply_overwrite_lerp_and_delta() -> None:
     target, averaged = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 6.0])
     apply_averaged(target, averaged)
