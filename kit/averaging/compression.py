@@ -115,6 +115,14 @@ def _as_buffer(tensor: torch.Tensor) -> memoryview:
     return tensor.reshape(-1).view(torch.uint8).numpy().data
 
 
+def _non_finite_local(tensor: torch.Tensor) -> NonFiniteLocalTensor:
+    return NonFiniteLocalTensor(
+        f"refusing to send a {list(tensor.shape)} tensor holding NaN or inf - help: "
+        "training diverged; lower the learning rate or clip gradients, then load state "
+        "from peers"
+    )
+
+
 class CompressionBase(ABC):
     """A codec: ``compress`` a tensor to a SerializedTensor, ``extract`` it back."""
 
@@ -148,6 +156,7 @@ class _LeafCodec(CompressionBase):
     value_bits: ClassVar[int]  # bits per value on the wire, for the compression ratio
     accepted_dtypes: ClassVar[frozenset[str]] = FLOAT_DTYPES
     allow_non_finite = False
+    checks_its_output: ClassVar[bool] = False  # _encode refuses NaN/inf itself, more cheaply
 
     def compress(
         self, tensor: torch.Tensor, info: CompressionInfo | None = None, allow_inplace: bool = False
@@ -165,12 +174,8 @@ class _LeafCodec(CompressionBase):
             raise ConfigError(
                 f"{type(self).__name__} cannot compress {tensor.dtype} tensors - help: {help_}"
             )
-        if not self.allow_non_finite and not is_finite(tensor):
-            raise NonFiniteLocalTensor(
-                f"refusing to send a {list(tensor.shape)} tensor holding NaN or inf - help: "
-                "training diverged; lower the learning rate or clip gradients, then load state "
-                "from peers"
-            )
+        if not self.allow_non_finite and not self.checks_its_output and not is_finite(tensor):
+            raise _non_finite_local(tensor)
         return SerializedTensor(
             self.codec, name, tuple(tensor.shape), self._encode(tensor, allow_inplace)
         )
@@ -222,19 +227,23 @@ class Float16Compression(_LeafCodec):
     """float16 values clamped to ±65504 (id FLOAT16); ``extract`` restores the original dtype."""
 
     codec, value_bits = Codec.FLOAT16, 16
+    checks_its_output = True
 
     def _encode(self, tensor: torch.Tensor, allow_inplace: bool) -> Buffer:
-        flat = tensor.reshape(-1)
-        if flat.dtype == torch.float16:  # already in range (inf was refused): no copy at all
-            return _as_buffer(flat.cpu().contiguous())
         # Cast, then clamp the float16 copy: overflow gives ±inf, which the clamp maps to ±65504,
-        # the same bytes as hivemind's clamp-then-cast without a float32 temporary. The input is
-        # finite (compress checked it), so only overflow makes the copy non-finite: the clamp
-        # runs only then (a float16 sum costs a fifth of a clamp pass).
+        # the same bytes as hivemind's clamp-then-cast without a float32 temporary. The copy is
+        # checked, not the input: a float16 sum reads half the bytes and costs a fifth of a
+        # clamp pass, and the copy is finite exactly when the input is finite and in range. Only
+        # when it is not is the input checked (NaN/inf: refused) and the copy clamped.
+        flat = tensor.reshape(-1)
         half = flat.to(torch.float16)
         if not is_finite(half):
+            if not self.allow_non_finite and not is_finite(flat):
+                raise _non_finite_local(tensor)
+            if half.data_ptr() == flat.data_ptr():  # a float16 input: never clamp it in place
+                half = half.clone()
             half.clamp_(-FP16_MAX, FP16_MAX)
-        return _as_buffer(half.cpu())
+        return _as_buffer(half.cpu().contiguous())
 
     @classmethod
     def _decode(cls, s: SerializedTensor) -> torch.Tensor:
@@ -251,6 +260,7 @@ class ScaledFloat16Compression(Float16Compression):
     """float16 of (x - mean) / std per row of the last axis, plus float32 means and stds."""
 
     codec = Codec.MEANSTD_16BIT
+    checks_its_output = False  # its own _encode: compress checks the input
 
     def _encode(self, tensor: torch.Tensor, allow_inplace: bool) -> Buffer:
         n_rows = stats_rows(tensor.shape)

@@ -219,6 +219,24 @@ def test_compress_refuses_non_finite(cls: type[C.CompressionBase], bad: float) -
         cls().compress(x)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_float16_checks_its_output_yet_refuses_what_the_input_held(dtype: torch.dtype) -> None:
+    """Float16Compression checks the float16 copy (cheaper than the input): overflow is clamped,
+    NaN/inf in the input is still refused, and a float16 input is never changed."""
+    big = torch.tensor([1.0, 7e4, -3.0], dtype=torch.float64).to(dtype)
+    if dtype != torch.float16:  # (float16 itself cannot hold 7e4)
+        assert round_trip(C.Float16Compression(), big)[1] == 65504.0
+    for bad in (math.nan, math.inf, -math.inf):
+        x = normal(5000).to(dtype)
+        x[17] = bad
+        before = x.clone()
+        with pytest.raises(NonFiniteLocalTensor, match="help:"):
+            C.Float16Compression().compress(x)
+        assert torch.equal(x.isnan(), before.isnan()) and torch.equal(
+            x.nan_to_num(), before.nan_to_num()
+        )
+
+
 def test_non_finite_received_values_are_refused() -> None:
     nan16 = np.array([1.0, np.nan], np.float16).tobytes()
     serialized = SerializedTensor(Codec.FLOAT16, "float32", (2,), nan16)
