@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from kit.averaging.chunk_stream import chunk_head, decode_chunk, encode_peer_set
+from kit.averaging.chunk_stream import chunk_head, decode_chunk, encode_peer_set, plain_float16
 from kit.averaging.compression import (
     AdaptiveCompressionBase,
     CompressionBase,
@@ -86,9 +86,12 @@ class OutgoingAverages:
         return len(self._done)
 
     def release(self) -> None:
-        """The round is over: drop what senders sent (their frames) and the encodings."""
+        """The round is over: drop what senders sent (their frames), the encodings and the rounded
+        averages (their buffers are reused once dropped: ``kit.p2p.payload_pool``)."""
         self._sent.clear()
         self._shared = [None] * len(self._shared)
+        if self._rounded is not None:
+            self._rounded = [None] * len(self._rounded)
 
     def done(self, chunk: int) -> bool:
         return self._done[chunk]
@@ -109,7 +112,8 @@ class OutgoingAverages:
 
     def local_average(self, chunk: int) -> torch.Tensor | None:
         """What this peer writes for ``chunk`` of its own part: the average, as the senders
-        decode it when they all get one lossy encoding of it (None: nobody averaged it)."""
+        decode it when they all get one lossy encoding of it (None: nobody averaged it). Copy it
+        into the tensor: plain float16 values stay float16 here, as the senders stage them."""
         if self._rounded is not None and self._rounded[chunk] is not None:
             return self._rounded[chunk]
         return self.reducer.averaged(chunk)
@@ -151,7 +155,11 @@ class OutgoingAverages:
         except NonFiniteLocalTensor:  # the weighted sum overflowed: nobody gets this chunk
             return chunk_head({"chunk": chunk, "peers": 0}), None
         if self._rounded is not None and self._shared_lossy[chunk]:  # as every sender decodes it
-            self._rounded[chunk] = extract(serialized).view(-1)
+            if plain_float16(serialized.header(), spec, dtype):  # (the commit widens it)
+                rounded = torch.frombuffer(serialized.buffer, dtype=torch.float16, count=spec.size)
+            else:
+                rounded = extract(serialized).view(-1)
+            self._rounded[chunk] = rounded
         fields = {"chunk": chunk, "peers": encode_peer_set(mask), "delta": sent is not None}
         payload = memoryview(serialized.buffer).cast("B")
         return chunk_head({**fields, **serialized.header()}), payload

@@ -66,6 +66,7 @@ from kit.averaging.serialized import (
     stats_rows,
 )
 from kit.errors import ConfigError, NonFiniteLocalTensor, NonFiniteTensor
+from kit.p2p.payload_pool import MIN_POOLED, PAYLOADS
 
 FP16_MAX = float(torch.finfo(torch.float16).max)
 
@@ -223,6 +224,16 @@ class NoCompression(_LeafCodec):
         return 1.0
 
 
+def _float16_buffer(like: torch.Tensor) -> torch.Tensor:
+    """An uninitialised float16 tensor with ``like``'s element count (and device): on the CPU in a
+    reused buffer (``kit.p2p.payload_pool``): an encoded chunk is sent and dropped, and a fresh
+    allocation of each would fault its pages in again (~7,000 faults a peer and round here)."""
+    count = like.numel()
+    if like.device.type != "cpu" or 2 * count < MIN_POOLED:
+        return torch.empty(count, dtype=torch.float16, device=like.device)
+    return torch.frombuffer(PAYLOADS.take(2 * count), dtype=torch.float16, count=count)
+
+
 class Float16Compression(_LeafCodec):
     """float16 values clamped to ±65504 (id FLOAT16); ``extract`` restores the original dtype."""
 
@@ -236,7 +247,9 @@ class Float16Compression(_LeafCodec):
         # clamp pass, and the copy is finite exactly when the input is finite and in range. Only
         # when it is not is the input checked (NaN/inf: refused) and the copy clamped.
         flat = tensor.reshape(-1)
-        half = flat.to(torch.float16)
+        half = flat
+        if flat.dtype != torch.float16:
+            half = _float16_buffer(flat).copy_(flat)
         if not is_finite(half):
             if not self.allow_non_finite and not is_finite(flat):
                 raise _non_finite_local(tensor)

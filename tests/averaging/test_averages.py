@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import torch
 
 from kit.averaging.averages import OutgoingAverages, is_lossless
@@ -82,3 +85,21 @@ def test_lossless_means_no_compression_even_through_adaptive_codecs() -> None:
     assert is_lossless(adaptive, small) and not is_lossless(adaptive, large)
     per_tensor = PerTensorCompression([NoCompression(), Float16Compression()])
     assert is_lossless(per_tensor, small) and not is_lossless(per_tensor, large)
+
+
+def test_a_shared_float16_average_is_kept_as_encoded_until_the_round_is_released() -> None:
+    """Without deltas every member writes the decoded shared encoding: this peer keeps the very
+    float16 bytes it sends (the commit widens them), and lets go of them on release."""
+    values = {"a": torch.linspace(10, 20, 8), "b": torch.linspace(30, 40, 8)}
+    plan, reducer = reducer_of(values)
+    averages = OutgoingAverages(plan, reducer, Float16Compression(), {"a": 1, "b": 2}, deltas=False)
+    averages.complete(0)
+    local = averages.local_average(0)
+    assert local is not None and local.dtype == torch.float16
+    _, sent = decoded(averages.for_sender("a", 0), plan)
+    assert torch.equal(local.float(), sent)  # what the senders decode, bit for bit
+    kept = weakref.ref(local.untyped_storage())
+    del local, sent
+    averages.release()
+    gc.collect()
+    assert kept() is None  # nothing of the round's encodings is left to hold their buffers

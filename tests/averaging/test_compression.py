@@ -237,6 +237,20 @@ def test_float16_checks_its_output_yet_refuses_what_the_input_held(dtype: torch.
         )
 
 
+def test_float16_encodings_reuse_buffers_once_dropped_and_never_while_kept() -> None:
+    """Chunks of 64 KiB and more are encoded into reused buffers (no pages to fault in each
+    round); an encoding somebody keeps is never written over."""
+    x, y = normal(100_000, seed=3), normal(100_000, seed=4)
+    kept = C.Float16Compression().compress(x)
+    expected = bytes(kept.buffer)
+    dropped = C.Float16Compression().compress(y)
+    where = np.frombuffer(dropped.buffer, dtype=np.uint8).ctypes.data
+    del dropped
+    again = C.Float16Compression().compress(y)
+    assert np.frombuffer(again.buffer, dtype=np.uint8).ctypes.data == where
+    assert bytes(kept.buffer) == expected and torch.equal(extract(again), y.half().float())
+
+
 def test_non_finite_received_values_are_refused() -> None:
     nan16 = np.array([1.0, np.nan], np.float16).tobytes()
     serialized = SerializedTensor(Codec.FLOAT16, "float32", (2,), nan16)
