@@ -135,8 +135,11 @@ class OutgoingAverages:
         if not isinstance(sent, torch.Tensor):
             spec = self.reducer.chunks[chunk]
             dtype = self.plan.tensors[spec.tensor_index].dtype
-            # (accepted into the average: it decoded and was finite then)
-            sent = decode_chunk(sent[0], memoryview(sent[1]), spec, dtype, check_finite=False)
+            header, payload = sent[0], memoryview(sent[1])
+            if plain_float16(header, spec, dtype):  # as it arrived (the subtraction widens it)
+                sent = torch.frombuffer(payload, dtype=torch.float16, count=spec.size)
+            else:  # (accepted into the average: it decoded and was finite then)
+                sent = decode_chunk(header, payload, spec, dtype, check_finite=False)
         return self._encode(chunk, sent)
 
     def _encode(self, chunk: int, sent: torch.Tensor | None) -> Encoded:
@@ -148,7 +151,9 @@ class OutgoingAverages:
         for sender in self.reducer.delivered[chunk]:
             mask |= self.sender_bits[sender]
         dtype = self.plan.tensors[spec.tensor_index].dtype
-        values = averaged if sent is None else averaged - sent.float()
+        if sent is not None:  # in float32 (float16 is widened exactly as it is subtracted)
+            sent = sent if sent.dtype == torch.float16 else sent.float()
+        values = averaged if sent is None else averaged - sent
         values = values if dtype == torch.float32 else values.to(dtype)
         try:
             serialized = self.compression.compress(values, self.plan.compression_info(spec))
