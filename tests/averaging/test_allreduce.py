@@ -154,6 +154,16 @@ def flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in tensors])
 
 
+async def three_aggregators() -> tuple[
+    Swarm, GroupInfo, list[list[torch.Tensor]], list[list[torch.Tensor]]
+]:
+    """Three peers that all aggregate, weighted 1, 2 and 3: their values, and copies to average."""
+    swarm = Swarm()
+    group = make_group(await swarm.add(3), [1.0, 2.0, 3.0])
+    values = [random_tensors(i) for i in range(3)]
+    return swarm, group, values, [[t.clone() for t in v] for v in values]
+
+
 async def run_all(runners: Sequence[AllReduceRunner]) -> list[Any]:
     return await asyncio.gather(*(r.run() for r in runners), return_exceptions=True)
 
@@ -203,11 +213,7 @@ async def test_exact_weighted_mean_with_clients_and_auxiliary_peers(
 async def test_compressed_rounds_stay_within_the_codec_error(
     codec: CompressionBase, bound: float
 ) -> None:
-    swarm = Swarm()
-    peers = await swarm.add(3)
-    group = make_group(peers, [1.0, 2.0, 3.0])
-    values = [random_tensors(i) for i in range(3)]
-    tensors = [[t.clone() for t in v] for v in values]
+    swarm, group, values, tensors = await three_aggregators()
     reports = await run_all(
         [swarm.runner(i, group, tensors[i], compression=codec) for i in range(3)]
     )
@@ -449,11 +455,7 @@ class DyingAggregator(AllReduceRunner):
 
 
 async def test_an_aggregator_that_dies_leaves_its_part_local_and_says_so() -> None:
-    swarm = Swarm()
-    peers = await swarm.add(3)
-    group = make_group(peers, [1.0, 2.0, 3.0])
-    values = [random_tensors(i) for i in range(3)]
-    tensors = [[t.clone() for t in v] for v in values]
+    swarm, group, values, tensors = await three_aggregators()
     runners = [
         swarm.runner(i, group, tensors[i], cls=DyingAggregator if i == 1 else AllReduceRunner)
         for i in range(3)
@@ -511,11 +513,7 @@ class PoisoningAggregator(AllReduceRunner):
 async def test_an_aggregator_whose_averages_hold_nan_has_its_part_left_local(
     compression: CompressionBase, lossy_deltas: bool, nan: bytes
 ) -> None:
-    swarm = Swarm()
-    peers = await swarm.add(3)
-    group = make_group(peers, [1.0, 2.0, 3.0])
-    values = [random_tensors(i) for i in range(3)]
-    tensors = [[t.clone() for t in v] for v in values]
+    swarm, group, values, tensors = await three_aggregators()
     PoisoningAggregator.nan = nan
     runners = [
         swarm.runner(
