@@ -7,7 +7,8 @@ arrived in until the round commits). Fresh buffers cost a page fault for every 4
 writes into them; the allocator hands the freed ones back to the system between rounds (glibc
 trims a thread's arena), so every round faulted its whole vector in again: ~13,500 faults and
 ~13 ms of system time per peer and round for a 72 MB vector here, ~7% of a round
-(``benchmarks/allreduce.py``, ``minor_faults``).
+(``benchmarks/allreduce.py``, ``minor_faults``). Float16 encodings of outgoing chunks come from
+here too (``kit.averaging.compression``), for the same reason.
 
 A :class:`PayloadPool` lends a buffer as a view of a larger base array and takes the base back
 when the view dies (``weakref.finalize``: the last tensor, memoryview or array that aliases it is
@@ -62,16 +63,16 @@ class PayloadPool:
             return uninitialized(size)
         capacity = -(-size // GRANULE) * GRANULE
         base = None
-        with self._lock:
+        with self._lock:  # (encodings may be made on any thread)
             free = self._free.get(capacity)
             if free:
                 base = free.pop()
                 self._free_bytes -= capacity
+                self.reused += 1
+            else:
+                self.allocated += 1
         if base is None:
             base = np.empty(capacity, dtype=np.uint8)  # resident as bytes arrive (see above)
-            self.allocated += 1
-        else:
-            self.reused += 1
         lent = base[:size]  # the view whose death gives ``base`` back
         weakref.finalize(lent, self._give_back, base)
         return memoryview(lent).cast("B")  # type: ignore[arg-type]
