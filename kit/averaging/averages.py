@@ -35,6 +35,7 @@ from kit.averaging.compression import (
     CompressionInfo,
     NoCompression,
     extract,
+    reused_empty,
 )
 from kit.averaging.partition import PartitionPlan, PartReducer
 from kit.errors import NonFiniteLocalTensor
@@ -151,9 +152,10 @@ class OutgoingAverages:
         for sender in self.reducer.delivered[chunk]:
             mask |= self.sender_bits[sender]
         dtype = self.plan.tensors[spec.tensor_index].dtype
+        values = averaged
         if sent is not None:  # in float32 (float16 is widened exactly as it is subtracted)
             sent = sent if sent.dtype == torch.float16 else sent.float()
-        values = averaged if sent is None else averaged - sent
+            values = torch.sub(averaged, sent, out=reused_empty(spec.size, torch.float32))
         values = values if dtype == torch.float32 else values.to(dtype)
         try:
             serialized = self.compression.compress(values, self.plan.compression_info(spec))

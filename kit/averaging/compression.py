@@ -224,14 +224,16 @@ class NoCompression(_LeafCodec):
         return 1.0
 
 
-def _float16_buffer(like: torch.Tensor) -> torch.Tensor:
-    """An uninitialised float16 tensor with ``like``'s element count (and device): on the CPU in a
-    reused buffer (``kit.p2p.payload_pool``): an encoded chunk is sent and dropped, and a fresh
-    allocation of each would fault its pages in again (~7,000 faults a peer and round here)."""
-    count = like.numel()
-    if like.device.type != "cpu" or 2 * count < MIN_POOLED:
-        return torch.empty(count, dtype=torch.float16, device=like.device)
-    return torch.frombuffer(PAYLOADS.take(2 * count), dtype=torch.float16, count=count)
+def reused_empty(count: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised flat CPU tensor, in a reused buffer when it is chunk-sized
+    (``kit.p2p.payload_pool``): a round makes dozens of such temporaries (encodings, differences)
+    and drops them, and a fresh allocation of each faults its pages in again (~7,000 faults a
+    peer and round for float16 encodings alone, here). Safe whatever the caller does with it: a
+    buffer is reused only once no view of it is left."""
+    nbytes = count * dtype.itemsize
+    if nbytes < MIN_POOLED:
+        return torch.empty(count, dtype=dtype)
+    return torch.frombuffer(PAYLOADS.take(nbytes), dtype=dtype, count=count)
 
 
 class Float16Compression(_LeafCodec):
@@ -249,7 +251,11 @@ class Float16Compression(_LeafCodec):
         flat = tensor.reshape(-1)
         half = flat
         if flat.dtype != torch.float16:
-            half = _float16_buffer(flat).copy_(flat)
+            half = (
+                reused_empty(flat.numel(), torch.float16)
+                if flat.device.type == "cpu"
+                else torch.empty_like(flat, dtype=torch.float16)
+            ).copy_(flat)
         if not is_finite(half):
             if not self.allow_non_finite and not is_finite(flat):
                 raise _non_finite_local(tensor)
@@ -515,4 +521,5 @@ __all__ = [
     "Uniform8BitQuantization",
     "extract",
     "is_finite",
+    "reused_empty",
 ]

@@ -41,7 +41,7 @@ from kit.averaging.chunk_stream import (
     send_chunk,
     tensor_header,
 )
-from kit.averaging.compression import CompressionBase, is_finite
+from kit.averaging.compression import CompressionBase, is_finite, reused_empty
 from kit.averaging.group import GroupInfo
 from kit.averaging.partition import ChunkSpec, PartitionPlan, PartReport
 from kit.averaging.round_tasks import RoundTasks
@@ -188,17 +188,22 @@ class SenderSide:
         self.bytes_received += len(payload)
         if not delta and is_raw(codec_header, spec, dtype):  # the frame's buffer is ours
             values = torch.frombuffer(payload, dtype=dtype, count=spec.size)
-            if not is_finite(values):
-                raise InvalidTensor(f"the average of chunk {spec.chunk_index} holds NaN or inf")
         elif not delta and plain_float16(codec_header, spec, dtype):  # widened by the commit's
             # copy: one pass, where decoding first wrote (and faulted in) a float32 copy
             values = torch.frombuffer(payload, dtype=torch.float16, count=spec.size)
-            if not is_finite(values):
-                raise InvalidTensor(f"the average of chunk {spec.chunk_index} holds NaN or inf")
-        else:  # a new tensor; a difference is checked once added to our values
-            values = decode_chunk(codec_header, payload, spec, dtype, check_finite=not delta)
+        elif (
+            delta
+            and dtype in (torch.float32, torch.float64)
+            and plain_float16(codec_header, spec, dtype)
+        ):  # our exact values plus the difference as it arrived (widened exactly), into a
+            # reused buffer: no decoded copy of the difference
+            ours = self.plan.chunk_view(self.tensors, spec).cpu()
+            difference = torch.frombuffer(payload, dtype=torch.float16, count=spec.size)
+            values = torch.add(ours, difference, out=reused_empty(spec.size, dtype))
+        else:  # decoded into a new tensor (checked below, a difference once added to ours)
+            values = decode_chunk(codec_header, payload, spec, dtype, check_finite=False)
             if delta:  # our exact values plus the compressed difference to the average
                 values.add_(self.plan.chunk_view(self.tensors, spec))
-                if not is_finite(values):
-                    raise InvalidTensor(f"the average of chunk {spec.chunk_index} holds NaN or inf")
+        if not is_finite(values):
+            raise InvalidTensor(f"the average of chunk {spec.chunk_index} holds NaN or inf")
         self.averages[(spec.part_index, spec.chunk_index)] = values
