@@ -64,10 +64,14 @@ class PayloadPool:
         capacity = -(-size // GRANULE) * GRANULE
         base = None
         with self._lock:  # (encodings may be made on any thread)
-            free = self._free.get(capacity)
-            if free:
-                base = free.pop()
-                self._free_bytes -= capacity
+            # The smallest free buffer that fits, up to twice the size: a round's frames, its
+            # encodings and its float32 temporaries differ by a header or a factor of two, and
+            # classes that cannot serve each other would each keep their own free buffers.
+            fits = [c for c, free in self._free.items() if free and capacity <= c <= 2 * capacity]
+            if fits:
+                best = min(fits)
+                base = self._free[best].pop()
+                self._free_bytes -= best
                 self.reused += 1
             else:
                 self.allocated += 1

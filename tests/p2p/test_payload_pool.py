@@ -51,6 +51,14 @@ def test_sizes_share_a_buffer_by_class_and_small_or_huge_ones_are_not_kept() -> 
     other = pool.take(MIN_POOLED + GRANULE)  # the next class: a new buffer
     assert pool.reused == 0 and pool.free_bytes == GRANULE
     del other
+    smaller = pool.take(MIN_POOLED + 1)  # fits the freed larger one (at most twice its size)
+    assert pool.reused == 1 and len(smaller) == MIN_POOLED + 1
+    del smaller
+    large = pool.take(8 * GRANULE)
+    del large
+    small = pool.take(3 * GRANULE)  # more than twice as large: not taken, a new buffer
+    assert pool.reused == 1
+    del small
 
 
 def test_free_buffers_are_kept_up_to_the_limit_then_go_back_to_the_allocator() -> None:
