@@ -13,9 +13,10 @@ here too (``kit.averaging.compression``), for the same reason.
 A :class:`PayloadPool` lends a buffer as a view of a larger base array and takes the base back
 when the view dies (``weakref.finalize``: the last tensor, memoryview or array that aliases it is
 gone). Nothing is reused while anything still reads it: a consumer that keeps a frame keeps its
-buffer. Lent views may die on any thread (a staged average dropped by the training thread), so the
-free lists are guarded by a lock. Free buffers are kept up to ``max_free_bytes``; beyond that they
-go back to the allocator, as before.
+buffer. Lent views may die on any thread (a staged average dropped by the training thread) and at
+any moment, a garbage collection inside ``take`` included, so a dying view only appends its base
+to a deque (atomic); ``take`` moves those onto the free lists under its lock. Free buffers are
+kept up to ``max_free_bytes``; beyond that they go back to the allocator, as before.
 """
 
 from __future__ import annotations
@@ -49,13 +50,16 @@ class PayloadPool:
         self.max_free_bytes = max_free_bytes
         self._free: dict[int, collections.deque[np.ndarray]] = {}  # capacity -> free bases
         self._free_bytes = 0
-        self._lock = threading.Lock()
+        self._returned: collections.deque[np.ndarray] = collections.deque()  # not yet sorted
+        self._lock = threading.Lock()  # (encodings may be made on any thread)
         self.reused = 0  # buffers lent again (for tests and benchmarks)
         self.allocated = 0  # buffers lent fresh
 
     @property
     def free_bytes(self) -> int:
-        return self._free_bytes
+        with self._lock:
+            self._sort_returned()
+            return self._free_bytes
 
     def take(self, size: int) -> memoryview:
         """A writable buffer of exactly ``size`` bytes (its contents are undefined)."""
@@ -63,7 +67,8 @@ class PayloadPool:
             return uninitialized(size)
         capacity = -(-size // GRANULE) * GRANULE
         base = None
-        with self._lock:  # (encodings may be made on any thread)
+        with self._lock:
+            self._sort_returned()
             # The smallest free buffer that fits, up to twice the size: a round's frames, its
             # encodings and its float32 temporaries differ by a header or a factor of two, and
             # classes that cannot serve each other would each keep their own free buffers.
@@ -78,19 +83,22 @@ class PayloadPool:
         if base is None:
             base = np.empty(capacity, dtype=np.uint8)  # resident as bytes arrive (see above)
         lent = base[:size]  # the view whose death gives ``base`` back
-        weakref.finalize(lent, self._give_back, base)
+        weakref.finalize(lent, self._returned.append, base).atexit = False
         return memoryview(lent).cast("B")  # type: ignore[arg-type]
 
-    def _give_back(self, base: np.ndarray) -> None:
-        with self._lock:
+    def _sort_returned(self) -> None:
+        """Put the bases of views that died onto the free lists (the lock is held)."""
+        while self._returned:
+            base = self._returned.popleft()
             if self._free_bytes + len(base) > self.max_free_bytes:
-                return  # the allocator gets it back
+                continue  # the allocator gets it back
             self._free.setdefault(len(base), collections.deque()).append(base)
             self._free_bytes += len(base)
 
     def clear(self) -> None:
         """Give every free buffer back to the allocator."""
         with self._lock:
+            self._returned.clear()
             self._free.clear()
             self._free_bytes = 0
 

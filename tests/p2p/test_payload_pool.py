@@ -110,3 +110,20 @@ def test_the_frame_reader_reads_large_payloads_into_reused_buffers() -> None:
         addresses.add(address(memoryview(message)))
         del message  # (no garbage collection needed: the last reference frees it)
     assert PAYLOADS.reused - reused >= 5 and len(addresses) == 1
+
+
+def test_a_view_that_dies_while_the_pool_is_locked_does_not_wait_for_the_lock() -> None:
+    """A garbage collection may free a lent view inside ``take`` itself (the same thread holds the
+    pool's lock then): giving the buffer back must not take that lock again."""
+    pool = PayloadPool()
+    held = [pool.take(SIZE)]
+
+    def collect_inside_take() -> None:
+        with pool._lock:
+            held.clear()  # the view dies here, as in a collection run by an allocation in take
+
+    thread = threading.Thread(target=collect_inside_take, daemon=True)
+    thread.start()
+    thread.join(timeout=10)
+    assert not thread.is_alive(), "giving a buffer back waited for the pool's lock"
+    assert pool.free_bytes == -(-SIZE // GRANULE) * GRANULE
