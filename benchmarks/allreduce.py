@@ -25,7 +25,9 @@ Everything is bounded: ``--deadline-s`` for the whole run, step, barrier and all
 and the peers' process groups are killed at the end. Prints one JSON line (the last line).
 Set ``KIT_LOG_LEVEL=DEBUG`` to have the peers log into ``peer_<i>.log`` in the run directory, and
 ``KIT_BENCH_PROFILE=1`` for a CPU-time profile of each peer's loop thread over the steady rounds
-(``profile_<i>.pstats``); ``minor_faults`` counts the page faults of the peers' rounds.
+(``profile_<i>.pstats``); ``minor_faults`` counts the page faults of the peers' rounds, and
+``pool_reused_fresh`` the large buffers they took that were reused or fresh
+(``kit.p2p.payload_pool``: fresh ones are where steady rounds still fault).
 """
 
 from __future__ import annotations
@@ -192,6 +194,7 @@ def run_peer(args: argparse.Namespace) -> None:
         )
     from kit.averaging.averager import DecentralizedAverager
     from kit.dht import DHT
+    from kit.p2p.payload_pool import PAYLOADS
 
     n, i, run_dir = args.peers, args.index, args.run_dir
     result: dict[str, Any] = {"index": i, "pid": os.getpid(), "rounds": [], "errors": []}
@@ -244,6 +247,7 @@ def run_peer(args: argparse.Namespace) -> None:
             record: dict[str, Any] = {"round": r, "wall_start": time.time()}
             profiler = start_profile(r)
             faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            pool0 = (PAYLOADS.reused, PAYLOADS.allocated)
             cpu0 = os.times()
             t0 = time.perf_counter()
             try:
@@ -260,6 +264,8 @@ def run_peer(args: argparse.Namespace) -> None:
                 user_s=round(cpu1.user - cpu0.user, 3),
                 sys_s=round(cpu1.system - cpu0.system, 3),
                 minor_faults=resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0,
+                pool_reused=PAYLOADS.reused - pool0[0],
+                pool_fresh=PAYLOADS.allocated - pool0[1],
             )
             if outcome is not None:
                 record.update(
@@ -580,6 +586,9 @@ def run_launcher(args: argparse.Namespace, argv: list[str]) -> int:
                 "reported_full": [x.get("reported_full") for x in records],
                 "per_peer_total_s": [x["total_s"] for x in records],
                 "minor_faults": sum(x.get("minor_faults") or 0 for x in records),
+                "pool_reused_fresh": [
+                    sum(x.get(k) or 0 for x in records) for k in ("pool_reused", "pool_fresh")
+                ],
                 "tcp_s": max((x.get("tcp_s") or 0) for x in records) or None,
                 "butterfly_s": max((x.get("butterfly_s") or 0) for x in records) or None,
                 "butterfly_max_abs_err": max(

@@ -258,9 +258,10 @@ class PartReducer:
     Every sender streams the part's chunks in order; ``accept`` checks each chunk and adds
     ``weight * values`` into a float32 accumulator (values of the tensor's dtype, or float16
     values of a float tensor: the FLOAT16 codec's, summed as they arrived). A chunk is complete
-    once every sender delivered it, had it rejected, or was excluded; its average is then over the senders that
-    delivered it, with their weights renormalised. ``accept`` and ``exclude`` return the chunks
-    they completed, so the averages can stream back while others are still arriving.
+    once every sender delivered it, had it rejected, or was excluded; its average is then over
+    the senders that delivered it, with their weights renormalised. ``accept`` and ``exclude``
+    return the chunks they completed, so the averages can stream back while others are still
+    arriving.
     """
 
     def __init__(
