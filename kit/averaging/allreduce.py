@@ -50,11 +50,10 @@ from kit.averaging.averages import OutgoingAverages
 from kit.averaging.background_threads import limit_torch_threads, with_limited_torch_threads
 from kit.averaging.chunk_stream import (
     RoundBuffers,
+    arrived_values,
     decode_chunk,
-    is_raw,
     payload_bound,
     payload_of,
-    plain_float16,
     receive_chunk,
     send_chunk,
     tensor_header,
@@ -431,17 +430,14 @@ class AllReduceRunner:
         spec: ChunkSpec,
     ) -> tuple[int, ...]:
         """Decode one received chunk and add it; a chunk that fails a check is dropped alone.
-        Raw values are summed from the frame they arrived in."""
+        Values that need no decoding are summed from the frame they arrived in."""
         reducer = self.reducer
         assert reducer is not None
         gid, dtype = self.group.group_id, self.plan.tensors[spec.tensor_index].dtype
-        raw = is_raw(header, spec, dtype)
+        values = arrived_values(header, payload, spec, dtype)
+        arrived = values is not None
         try:
-            if raw:
-                values = torch.frombuffer(payload, dtype=dtype, count=spec.size)
-            elif plain_float16(header, spec, dtype):  # summed as float16 (widened by add_)
-                values = torch.frombuffer(payload, dtype=torch.float16, count=spec.size)
-            else:
+            if values is None:
                 values = decode_chunk(header, payload, spec, dtype, check_finite=False)
         except InvalidTensor as e:
             logger.info("chunk %d from %s rejected: %s", chunk, sender.short(), e)
@@ -449,7 +445,8 @@ class AllReduceRunner:
         try:
             completed = reducer.accept(sender, gid, self.me, chunk, values)
             if self._averages is not None and self._averages.lossy[chunk]:  # for its delta
-                sent = values if raw else (header, payload)  # the frame's buffer is ours to keep
+                # the frame's buffer is ours to keep; decoded values are kept encoded (smaller)
+                sent = values if arrived else (header, payload)
                 self._averages.keep_sent(sender, chunk, sent)
             return completed
         except InvalidChunk as e:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from kit.averaging.chunk_stream import chunk_head, decode_chunk, encode_peer_set, plain_float16
+from kit.averaging.chunk_stream import arrived_values, chunk_head, decode_chunk, encode_peer_set
 from kit.averaging.compression import (
     AdaptiveCompressionBase,
     CompressionBase,
@@ -136,11 +136,8 @@ class OutgoingAverages:
         if not isinstance(sent, torch.Tensor):
             spec = self.reducer.chunks[chunk]
             dtype = self.plan.tensors[spec.tensor_index].dtype
-            header, payload = sent[0], memoryview(sent[1])
-            if plain_float16(header, spec, dtype):  # as it arrived (the subtraction widens it)
-                sent = torch.frombuffer(payload, dtype=torch.float16, count=spec.size)
-            else:  # (accepted into the average: it decoded and was finite then)
-                sent = decode_chunk(header, payload, spec, dtype, check_finite=False)
+            # (accepted into the average: it decoded and was finite then)
+            sent = decode_chunk(sent[0], memoryview(sent[1]), spec, dtype, check_finite=False)
         return self._encode(chunk, sent)
 
     def _encode(self, chunk: int, sent: torch.Tensor | None) -> Encoded:
@@ -161,12 +158,9 @@ class OutgoingAverages:
             serialized = self.compression.compress(values, self.plan.compression_info(spec))
         except NonFiniteLocalTensor:  # the weighted sum overflowed: nobody gets this chunk
             return chunk_head({"chunk": chunk, "peers": 0}), None
+        header, payload = serialized.header(), memoryview(serialized.buffer).cast("B")
         if self._rounded is not None and self._shared_lossy[chunk]:  # as every sender decodes it
-            if plain_float16(serialized.header(), spec, dtype):  # (the commit widens it)
-                rounded = torch.frombuffer(serialized.buffer, dtype=torch.float16, count=spec.size)
-            else:
-                rounded = extract(serialized).view(-1)
-            self._rounded[chunk] = rounded
+            rounded = arrived_values(header, payload, spec, dtype)  # (the commit widens it)
+            self._rounded[chunk] = extract(serialized).view(-1) if rounded is None else rounded
         fields = {"chunk": chunk, "peers": encode_peer_set(mask), "delta": sent is not None}
-        payload = memoryview(serialized.buffer).cast("B")
-        return chunk_head({**fields, **serialized.header()}), payload
+        return chunk_head({**fields, **header}), payload

@@ -9,9 +9,10 @@ anything is allocated or decoded (``tensor_header``, ``payload_bound``, ``decode
 A chunk is one message: a 2-byte length, the msgpack header ``{chunk, codec, dtype, shape,
 nbytes}`` (plus ``peers`` and ``delta`` on the way back), then ``nbytes`` of payload laid out as
 the codec says. One message, not a header message and a payload message (protocol 2 did that):
-half the messages, and the payload arrives in the buffer the frame was read into, so raw values
-of the tensor's own dtype (``is_raw``) are summed straight from there (no copy at all) and other
-codecs decode from there.
+half the messages, and the payload arrives in the buffer the frame was read into, so values that
+need no decoding (``arrived_values``: raw values of the tensor's own dtype, or FLOAT16 values)
+are summed, staged or subtracted straight from there (no copy at all) and other codecs decode
+from there.
 """
 
 from __future__ import annotations
@@ -84,6 +85,19 @@ def plain_float16(header: dict[str, Any], spec: ChunkSpec, dtype: torch.dtype) -
         and header.get("shape") == [spec.size]
         and header.get("nbytes") == spec.size * 2
     )
+
+
+def arrived_values(
+    header: dict[str, Any], payload: memoryview, spec: ChunkSpec, dtype: torch.dtype
+) -> torch.Tensor | None:
+    """The chunk's values as they arrived, a view of ``payload`` (no copy), when they need no
+    decoding: raw values of the tensor's dtype, or float16 values of a float tensor (whoever
+    writes, adds or subtracts them widens them in the same pass). None: ``decode_chunk`` them."""
+    if is_raw(header, spec, dtype):
+        return torch.frombuffer(payload, dtype=dtype, count=spec.size)
+    if plain_float16(header, spec, dtype):
+        return torch.frombuffer(payload, dtype=torch.float16, count=spec.size)
+    return None
 
 
 def chunk_head(header: dict[str, Any]) -> bytes:

@@ -259,7 +259,7 @@ class Float16Compression(_LeafCodec):
         if not is_finite(half):
             if not self.allow_non_finite and not is_finite(flat):
                 raise _non_finite_local(tensor)
-            if half.data_ptr() == flat.data_ptr():  # a float16 input: never clamp it in place
+            if half is flat:  # a float16 input: never clamp it in place
                 half = half.clone()
             half.clamp_(-FP16_MAX, FP16_MAX)
         return _as_buffer(half.cpu().contiguous())

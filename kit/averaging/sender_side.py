@@ -30,13 +30,12 @@ import torch
 from kit.averaging.chunk_stream import (
     PROTOCOL,
     RoundBuffers,
+    arrived_values,
     chunk_head,
     decode_chunk,
     decode_peer_set,
-    is_raw,
     payload_bound,
     payload_of,
-    plain_float16,
     receive_chunk,
     send_chunk,
     tensor_header,
@@ -186,20 +185,15 @@ class SenderSide:
         codec_header = tensor_header(header, spec, payload_bound(spec, dtype.itemsize))
         payload = payload_of(codec_header, payload)
         self.bytes_received += len(payload)
-        if not delta and is_raw(codec_header, spec, dtype):  # the frame's buffer is ours
-            values = torch.frombuffer(payload, dtype=dtype, count=spec.size)
-        elif not delta and plain_float16(codec_header, spec, dtype):  # widened by the commit's
-            # copy: one pass, where decoding first wrote (and faulted in) a float32 copy
-            values = torch.frombuffer(payload, dtype=torch.float16, count=spec.size)
-        elif (
-            delta
-            and dtype in (torch.float32, torch.float64)
-            and plain_float16(codec_header, spec, dtype)
-        ):  # our exact values plus the difference as it arrived (widened exactly), into a
+        arrived = arrived_values(codec_header, payload, spec, dtype)  # the frame's buffer is ours
+        if not delta and arrived is not None:  # staged in the frame (float16: the commit's copy
+            # widens it, one pass where decoding first wrote, and faulted in, a float32 copy)
+            values = arrived
+        elif delta and arrived is not None and dtype in (torch.float32, torch.float64):
+            # our exact values plus the difference as it arrived (widened exactly), into a
             # reused buffer: no decoded copy of the difference
             ours = self.plan.chunk_view(self.tensors, spec).cpu()
-            difference = torch.frombuffer(payload, dtype=torch.float16, count=spec.size)
-            values = torch.add(ours, difference, out=reused_empty(spec.size, dtype))
+            values = torch.add(ours, arrived, out=reused_empty(spec.size, dtype))
         else:  # decoded into a new tensor (checked below, a difference once added to ours)
             values = decode_chunk(codec_header, payload, spec, dtype, check_finite=False)
             if delta:  # our exact values plus the compressed difference to the average
