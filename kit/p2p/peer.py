@@ -40,6 +40,7 @@ from kit.p2p.api import DEFAULT_MAX_MESSAGE, StreamHandler, UnaryHandler
 from kit.p2p.budget import BufferLedger
 from kit.p2p.channel import Authorizer, OpenAuthorizer, dial_handshake
 from kit.p2p.connection import Channel, Connection
+from kit.p2p.connection_table import AddressBook, ConnectionTable
 from kit.p2p.handlers import Handlers
 from kit.p2p.handshake import RemoteHello
 from kit.p2p.identity import Identity, IdentityLock, PeerID, load_identity
@@ -49,9 +50,6 @@ from kit.p2p.transport import HttpHandler, HttpRequest, HttpResponse, Listener
 from kit.p2p.wire import Refusal, ResetCode
 
 logger = logging.getLogger(__name__)
-
-MAX_ADDRESSES_PER_PEER = 8
-MAX_ADDRESS_BOOK = 10_000
 
 
 class Peer:
@@ -67,12 +65,11 @@ class Peer:
         self._identity_lock: IdentityLock | None = None
         self._client_mode = bool(options.client_mode)
         self._listener = Listener(options, self._accept_websocket)
-        self._connections: dict[PeerID, Connection] = {}
-        self._all_connections: set[Connection] = set()
+        self.connections = ConnectionTable(self.peer_id)  # one in use per remote peer
         # Unread received bytes of all connections, against one budget (kit.p2p.budget).
         self.buffer_ledger: BufferLedger[Connection] = BufferLedger(options.buffer_budget)
         self._dials: dict[str, asyncio.Future[PeerID]] = {}
-        self._address_book: dict[PeerID, list[Address]] = {}
+        self.address_book = AddressBook(self.peer_id)  # where other peers are
         self.handlers = Handlers(options.request_timeout)  # what this peer serves
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closing = False
@@ -108,7 +105,7 @@ class Peer:
                 # see (and tell us) the one public port our NAT gives it (kit.p2p.hole_punch).
                 # The dial-back probe's connections left from others: they go.
                 self._punch_socket = hole_punch.reuse_port_socket("0.0.0.0", 0)
-                for connection in list(self._all_connections):
+                for connection in self.connections.every_open():
                     connection.close(Refusal.SHUTDOWN, "reconnecting from the punch port")
             relays = list(self.options.relays) or list(initial_peers)
             self.relay_client = client = relay.RelayClient(self, relays)
@@ -141,7 +138,7 @@ class Peer:
         relay_client = self.relay_client
         if relay_client is not None:
             await relay_client.stop()
-        connections = list(self._all_connections)
+        connections = self.connections.every_open()
         for connection in connections:
             connection.close(Refusal.SHUTDOWN, "peer shutting down")
         await self._stop_listening()
@@ -196,29 +193,17 @@ class Peer:
             return [str(a) for a in client.relayed_addresses()] if client is not None else []
         # A wildcard listener hands out its interfaces' addresses, never 0.0.0.0 (kit.p2p.interfaces).
         addresses = interfaces.visible_addresses(self._listener.addresses, self.options.announce)
-        return [str(self._with_own_id(a)) for a in addresses]
-
-    def _with_own_id(self, address: Address) -> Address:
-        return address if address.peer_id is not None else address.with_peer_id(self.peer_id)
+        own = [a if a.peer_id is not None else a.with_peer_id(self.peer_id) for a in addresses]
+        return [str(address) for address in own]
 
     @property
     def listen_port(self) -> int | None:
         return self._listener.addresses[0].port if self._listener.addresses else None
 
     def add_address(self, peer_id: PeerID, address: str | Address) -> None:
-        parsed = parse_address(address) if isinstance(address, str) else address
-        if parsed.peer_id is not None and parsed.peer_id != peer_id:
-            return
-        if peer_id == self.peer_id:
-            return
-        known = self._address_book.setdefault(peer_id, [])
-        parsed = parsed.with_peer_id(peer_id) if parsed.relay is None else parsed
-        if parsed in known:
-            known.remove(parsed)
-        known.insert(0, parsed)
-        del known[MAX_ADDRESSES_PER_PEER:]
-        if len(self._address_book) > MAX_ADDRESS_BOOK:
-            self._address_book.pop(next(iter(self._address_book)))
+        self.address_book.add(
+            peer_id, parse_address(address) if isinstance(address, str) else address
+        )
 
     def add_stream_handler(self, protocol: str, handler: StreamHandler) -> None:
         self.handlers.add_stream(protocol, handler)
@@ -260,10 +245,8 @@ class Peer:
 
     async def connect(self, address: str | Address, *, timeout: float) -> PeerID:
         parsed = parse_address(address) if isinstance(address, str) else address
-        if parsed.peer_id is not None:
-            existing = self._connections.get(parsed.peer_id)
-            if existing is not None and not existing.closed:
-                return parsed.peer_id
+        if parsed.peer_id is not None and self.connections.get(parsed.peer_id) is not None:
+            return parsed.peer_id
         key = str(parsed)
         pending = self._dials.get(key)
         if pending is None:
@@ -275,14 +258,13 @@ class Peer:
 
     def all_connections(self) -> list[Connection]:
         """Every open connection, including ones draining after a duplicate was replaced."""
-        return [connection for connection in self._all_connections if not connection.closed]
+        return self.connections.every_open()
 
     def connected_peers(self) -> list[PeerID]:
-        return [p for p, c in self._connections.items() if not c.closed]
+        return self.connections.peers()
 
     def connection(self, peer_id: PeerID) -> Connection | None:
-        connection = self._connections.get(peer_id)
-        return connection if connection is not None and not connection.closed else None
+        return self.connections.get(peer_id)
 
     # --- dialing and accepting -----------------------------------------------------------
 
@@ -293,10 +275,7 @@ class Peer:
         if connection is not None and not connection.draining:
             return connection
         errors = []
-        # Direct addresses first: a relayed path costs the relay's bandwidth.
-        for address in sorted(
-            self._address_book.get(peer_id, []), key=lambda a: a.relay is not None
-        ):
+        for address in self.address_book.to_dial(peer_id):
             try:
                 await self.connect(address, timeout=timeout)
             except (PeerError, AuthError, KitTimeout) as e:
@@ -438,30 +417,11 @@ class Peer:
             is_dialer=is_dialer,
             limits=self.options.limits,
             on_stream=self.handlers.serve,
-            on_closed=self._forget_connection,
+            on_closed=self.connections.forget,
             ledger=self.buffer_ledger,
         )
         connection.relayed = relayed
-        self._all_connections.add(connection)
-        if self._closing:
-            connection.close(Refusal.SHUTDOWN, "peer shutting down")
-            return connection
-        existing = self.connection(remote.peer_id)
-        if existing is not None:
-            # A direct connection replaces a relayed one (hole punching, connection reversal):
-            # the relayed one drains, its streams finish, and the relay carries no more.
-            # Else both sides dialed at once: keep the connection dialed by the smaller PeerID,
-            # as both sides decide without talking; the loser drains instead of breaking.
-            dialer_of_new = self.peer_id if is_dialer else remote.peer_id
-            smaller = min(self.peer_id, remote.peer_id)
-            loses = dialer_of_new != smaller and existing.is_dialer == (self.peer_id == smaller)
-            if relayed != existing.relayed:
-                loses = relayed
-            if loses:
-                connection.close_when_idle()
-                return connection
-            existing.close_when_idle()
-        self._connections[remote.peer_id] = connection
+        self.connections.add(connection, closing=self._closing)
         logger.debug(
             "%s connected to %s (%s)",
             self.peer_id.short(),
@@ -470,11 +430,6 @@ class Peer:
         )
         return connection
 
-    def _forget_connection(self, connection: Connection) -> None:
-        self._all_connections.discard(connection)
-        if self._connections.get(connection.remote_peer) is connection:
-            del self._connections[connection.remote_peer]
-
     async def _close_idle_connections(self) -> None:
         # Connections cost a socket and two tasks each; a DHT touches many peers once.
         # Relay registrations hold a stream open, so they are never idle.
@@ -482,10 +437,7 @@ class Peer:
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(min(timeout / 4, 30.0))
-            now = loop.time()
-            for connection in list(self._connections.values()):
-                if connection.idle and now - connection.last_activity > timeout:
-                    connection.close(Refusal.IDLE, f"no streams for {timeout:.0f} s")
+            self.connections.close_idle(loop.time(), timeout)
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         """Run a background task owned by this peer (cancelled at shutdown)."""
@@ -498,7 +450,7 @@ class Peer:
 
     def __repr__(self) -> str:
         mode = "client" if self._client_mode else "public"
-        return f"<Peer {self.peer_id.short()} {mode} {len(self._connections)} connections>"
+        return f"<Peer {self.peer_id.short()} {mode} {len(self.connected_peers())} connections>"
 
 
 def _consume_exception(future: asyncio.Future[Any]) -> None:

@@ -72,7 +72,7 @@ def _health(peer: Peer, watch: LogWatch) -> Any:
         current = asyncio.current_task()
         tasks = [t for t in asyncio.all_tasks() if t is not current and not t.done()]
         body = {
-            "connections": len(peer._all_connections),
+            "connections": len(peer.connections),  # closed ones not yet forgotten too
             # this request's own connection is not open as a websocket (it is plain HTTP)
             "websockets": len(server.connections) if server is not None else 0,
             "tasks": [repr(t)[:200] for t in tasks],

@@ -33,6 +33,7 @@ from kit.errors import (
 )
 from kit.p2p import wire
 from kit.p2p.api import StreamAPI
+from kit.p2p.connection import Connection
 from kit.p2p.handshake import DialerHandshake, HandshakeSettings
 from kit.p2p.identity import Identity, PeerID
 from kit.p2p.options import MuxLimits
@@ -59,6 +60,13 @@ async def peers(count: int, **options: object) -> AsyncIterator[list[Peer]]:
     finally:
         for peer in started:
             await peer.shutdown()
+
+
+def in_use(peer: Peer, remote: PeerID) -> Connection:
+    """``peer``'s connection in use to ``remote`` (there must be one)."""
+    connection = peer.connection(remote)
+    assert connection is not None, f"{peer} has no connection to {remote.short()}"
+    return connection
 
 
 async def echo(caller: PeerID, request: bytes) -> bytes:
@@ -88,7 +96,7 @@ async def test_hundred_concurrent_calls_share_one_connection() -> None:
         )
         assert answers == [str(i).encode() for i in range(100)]
         assert time.perf_counter() - started < 5  # concurrent, not one after another (100 x 0.2 s)
-        assert len(b._all_connections) == 1
+        assert len(b.connections) == 1
 
 
 async def test_bidirectional_stream_and_half_close() -> None:
@@ -121,7 +129,7 @@ async def test_a_message_in_parts_crosses_frames_uncopied_and_arrives_whole() ->
         a.add_stream_handler("sink", sink)
         stream = await b.open_stream(a.peer_id, "sink", timeout=5)
         framed: list[object] = []
-        connection = b._connections[a.peer_id]
+        connection = in_use(b, a.peer_id)
         enqueue = connection.enqueue
         connection.enqueue = lambda frame: (framed.append(frame), enqueue(frame))[1]  # type: ignore[method-assign]
         await stream.send_message((b"head", memoryview(payload)), timeout=10)  # type: ignore[arg-type]
@@ -142,8 +150,8 @@ async def test_kit_peers_drop_masking_after_the_handshake_unless_one_declines(
     try:
         listener.add_unary_handler("echo", echo)
         assert (await dialer.call(listener.peer_id, "echo", b"hi", timeout=5)).startswith(b"hi!")
-        dialed = dialer._connections[listener.peer_id].channel
-        accepted = listener._connections[dialer.peer_id].channel
+        dialed = in_use(dialer, listener.peer_id).channel
+        accepted = in_use(listener, dialer.peer_id).channel
         assert isinstance(dialed, FastWebSocketChannel)
         assert isinstance(accepted, FastWebSocketChannel)
         assert dialed._masking is not listener_plain
@@ -374,7 +382,7 @@ async def test_ten_thousand_streams() -> None:
                 )
         assert await reader == "too_many_streams"
         assert await b.call(a.peer_id, "echo", b"ok", timeout=5)
-        assert len(a._all_connections) == 1  # the attacker's connection and its handlers are gone
+        assert len(a.connections) == 1  # the attacker's connection and its handlers are gone
 
 
 async def test_wrong_tensor_is_rejected_before_allocation() -> None:

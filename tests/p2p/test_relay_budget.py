@@ -20,6 +20,7 @@ from kit.p2p.identity import PeerID
 from kit.p2p.options import RelayLimits
 from kit.p2p.peer import Peer, create_peer
 from kit.p2p.stream import Stream
+from tests.p2p.test_peer import in_use
 
 pytestmark = pytest.mark.sockets
 
@@ -28,7 +29,7 @@ MiB = 2**20
 
 def gate_reads_from(peer: Peer, relay_id: PeerID, gate: asyncio.Event) -> None:
     """``peer`` stops reading its connection to the relay until ``gate`` is set."""
-    channel = peer._connections[relay_id].channel
+    channel = in_use(peer, relay_id).channel
     receive = channel.recv
 
     async def gated() -> bytes:
@@ -72,12 +73,12 @@ async def push(peer: Peer, target: PeerID, size: int, seed: int) -> str:
 
 def holding(relay: Peer, peer_id: PeerID) -> int:
     """Unread bytes the relay holds on its connection to ``peer_id``, circuits or not."""
-    mux = relay._connections[peer_id].mux
+    mux = in_use(relay, peer_id).mux
     return mux.buffers.buffered + mux.buffers.circuit_buffered
 
 
 def resets_for_memory(peers: list[Peer]) -> int:
-    return sum(c.mux.shed_count for peer in peers for c in peer._all_connections)
+    return sum(c.mux.shed_count for peer in peers for c in peer.all_connections())
 
 
 async def test_many_slow_circuits_of_one_client_are_not_reset_at_default_limits() -> None:
@@ -119,7 +120,7 @@ async def test_many_slow_circuits_of_one_client_are_not_reset_at_default_limits(
         # Nothing was reset for memory anywhere: not at the relay, not at the endpoints (whose
         # circuit streams are read by their relayed connections' readers as frames come).
         assert resets_for_memory(peers) == 0
-        peak = relay._connections[client.peer_id].mux.buffers.circuit_peak
+        peak = in_use(relay, client.peer_id).mux.buffers.circuit_peak
         assert over < peak <= relay.options.relay_limits.peer_buffer
     finally:
         gate.set()
@@ -163,9 +164,7 @@ async def test_a_client_flooding_circuits_to_destinations_that_never_read_is_bou
         service = relay.relay_service
         assert service is not None
         for attacker in attackers:
-            assert (
-                relay._connections[attacker.peer_id].mux.buffers.circuit_peak <= limits.peer_buffer
-            )
+            assert in_use(relay, attacker.peer_id).mux.buffers.circuit_peak <= limits.peer_buffer
         assert 0 < service.buffer_ledger.peak <= limits.buffer_budget
         # Circuits are not the relay's own streams: its own budgets hold nothing of them.
         assert relay.buffer_ledger.peak < relay.options.limits.connection_buffer
