@@ -69,7 +69,7 @@ _EXPORTS = {
     "Uniform8BitQuantization": "kit.averaging.compression",
     "Quantile8BitQuantization": "kit.averaging.compression",
     "BlockwiseQuantization": "kit.averaging.compression",
-    "SizeAdaptiveCompression": "kit.averaging.compression",
+    "SizeAdaptiveCompression": "kit.averaging.adaptive_compression",
 }
 # hivemind's subpackages, reachable as attributes right after ``import kit as hivemind``
 # (``hivemind.optim.Optimizer``, ``hivemind.utils.get_dht_time``), imported on first use.

@@ -22,9 +22,12 @@ import kit as hivemind
 assert "torch" not in sys.modules, "import kit must not import torch"
 assert isinstance(hivemind.utils.get_dht_time(), float)
 assert "torch" not in sys.modules, "kit.utils must not import torch"
-from kit.averaging import compression
+from kit.averaging import adaptive_compression, compression
 assert hivemind.compression.Float16Compression is compression.Float16Compression
-assert hivemind.compression.PerTensorCompression is compression.PerTensorCompression
+assert hivemind.compression.PerTensorCompression is adaptive_compression.PerTensorCompression
+import kit.averaging
+assert kit.averaging.SizeAdaptiveCompression is adaptive_compression.SizeAdaptiveCompression
+assert kit.SizeAdaptiveCompression is adaptive_compression.SizeAdaptiveCompression
 assert hivemind.optim.Optimizer is hivemind.Optimizer
 assert hivemind.averaging.DecentralizedAverager is hivemind.DecentralizedAverager
 from kit.averaging.allreduce import AveragingMode

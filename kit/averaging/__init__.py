@@ -4,6 +4,7 @@ Pure cores (no networking, no clocks), in dependency order:
 
     quantization.py        the 8-bit codecs' kernels: each value's bucket, fast, in work chunks
     compression.py         codecs with hivemind's wire ids and byte layouts, validated on receipt
+    adaptive_compression.py  codecs that pick one of those per tensor: by size, role or key
     balancing.py           which share of the vector each peer aggregates (DeDLOC's LP)
     partition.py           tensors -> parts -> chunks, the aggregator's reducer, the round report
     declarations.py        what matchmaking peers tell each other; the state machine's actions
@@ -47,17 +48,17 @@ _CODEC_NAMES = frozenset(
         "CompressionInfo",
         "Float16Compression",
         "NoCompression",
-        "PerTensorCompression",
         "Quantile8BitQuantization",
-        "RoleAdaptiveCompression",
         "ScaledFloat16Compression",
-        "SizeAdaptiveCompression",
         "TensorRole",
         "Uniform8BitQuantization",
     }
 )
 
 
+_ADAPTIVE_CODEC_NAMES = frozenset(
+    {"PerTensorCompression", "RoleAdaptiveCompression", "SizeAdaptiveCompression"}
+)
 _AVERAGER_NAMES = frozenset(
     {"AsyncAverager", "DecentralizedAverager", "RoundResult", "StepControl"}
 )
@@ -69,6 +70,10 @@ def __getattr__(name: str) -> Any:
         from kit.averaging import compression
 
         return getattr(compression, name)
+    if name in _ADAPTIVE_CODEC_NAMES:
+        from kit.averaging import adaptive_compression
+
+        return getattr(adaptive_compression, name)
     if name in _AVERAGER_NAMES:
         from kit.averaging import averager
 

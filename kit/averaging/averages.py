@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
+from kit.averaging.adaptive_compression import AdaptiveCompressionBase
 from kit.averaging.chunk_stream import arrived_values, chunk_head, decode_chunk, encode_peer_set
 from kit.averaging.compression import (
-    AdaptiveCompressionBase,
     CompressionBase,
     CompressionInfo,
     NoCompression,

@@ -1,11 +1,11 @@
 """Tensor codecs for averaging: hivemind's six wire formats, fast, and checked on receipt.
 
 Holds the codec classes (same names, wire ids and byte layouts as ``hivemind.compression``, so
-hivemind scripts port), the adaptive delegates, ``extract`` and ``is_finite``; the names of
+hivemind scripts port), ``extract`` and ``is_finite``; the names of
 ``kit.averaging.serialized`` (``SerializedTensor``, a msgpack-able header plus raw bytes, with
 its validating parser; ``CompressionInfo``; ``Codec``) are importable from here too. It does not
-hold the wire framing or chunk streaming (``kit.averaging.partition`` and the all-reduce), and
-never pickles.
+hold the codecs that delegate to these (``kit.averaging.adaptive_compression``), the wire framing
+or chunk streaming (``kit.averaging.partition`` and the all-reduce), and never pickles.
 
 Byte layouts (little-endian; ``n`` elements; ``r`` rows of the last axis)::
 
@@ -31,8 +31,7 @@ from __future__ import annotations
 import math
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -392,82 +391,6 @@ class BlockwiseQuantization(_LeafCodec):
         return out
 
 
-class AdaptiveCompressionBase(CompressionBase):
-    """Hands each tensor to the codec ``choose_compression`` picks from its CompressionInfo."""
-
-    @abstractmethod
-    def choose_compression(self, info: CompressionInfo) -> CompressionBase: ...
-
-    def compress(
-        self, tensor: torch.Tensor, info: CompressionInfo | None = None, allow_inplace: bool = False
-    ) -> SerializedTensor:
-        info = info if info is not None else CompressionInfo.from_tensor(tensor)
-        return self.choose_compression(info).compress(tensor, info, allow_inplace)
-
-    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
-        return self.choose_compression(info).estimate_compression_ratio(info)
-
-
-class SizeAdaptiveCompression(AdaptiveCompressionBase):
-    """``less`` for tensors under ``threshold`` elements, ``greater_equal`` from there on.
-
-    The defaults are Training Transformers Together's recipe (which used 2**16 + 1): small
-    tensors (norms, biases) keep float16 precision, large matrices go 8-bit.
-    """
-
-    def __init__(
-        self,
-        threshold: int = 2**16,
-        less: CompressionBase | None = None,
-        greater_equal: CompressionBase | None = None,
-    ) -> None:
-        self.threshold = threshold  # elements of the WHOLE tensor (info.descriptor), not a chunk
-        self.less = less if less is not None else Float16Compression()
-        self.greater_equal = greater_equal or Uniform8BitQuantization()
-
-    def choose_compression(self, info: CompressionInfo) -> CompressionBase:
-        return self.greater_equal if info.descriptor.numel() >= self.threshold else self.less
-
-
-class RoleAdaptiveCompression(AdaptiveCompressionBase):
-    """A codec per TensorRole; roles left out use ``default`` (NoCompression)."""
-
-    def __init__(
-        self,
-        *,
-        activation: CompressionBase | None = None,
-        parameter: CompressionBase | None = None,
-        gradient: CompressionBase | None = None,
-        optimizer: CompressionBase | None = None,
-        default: CompressionBase | None = None,
-    ) -> None:
-        default = default or NoCompression()
-        given = {TensorRole.ACTIVATION: activation, TensorRole.PARAMETER: parameter}
-        given |= {TensorRole.GRADIENT: gradient, TensorRole.OPTIMIZER: optimizer}
-        self.role_compressions = {role: given.get(role) or default for role in TensorRole}
-
-    def choose_compression(self, info: CompressionInfo) -> CompressionBase:
-        return self.role_compressions[info.role]
-
-
-class PerTensorCompression(AdaptiveCompressionBase):
-    """A codec per tensor key (an index into a sequence, or a key of a mapping)."""
-
-    def __init__(
-        self, tensor_compressions: Sequence[CompressionBase] | Mapping[Any, CompressionBase]
-    ) -> None:
-        self.tensor_compressions = tensor_compressions
-
-    def choose_compression(self, info: CompressionInfo) -> CompressionBase:
-        try:
-            return self.tensor_compressions[info.key]  # type: ignore[index]
-        except (KeyError, IndexError, TypeError):
-            raise ConfigError(
-                f"PerTensorCompression has no codec for tensor key {info.key!r} - help: give one "
-                "codec per averaged tensor, keyed like CompressionInfo.key"
-            ) from None
-
-
 CODECS: dict[Codec, type[_LeafCodec]] = {
     codec.codec: codec
     for codec in (NoCompression, ScaledFloat16Compression, Float16Compression)
@@ -503,19 +426,15 @@ __all__ = [
     "DTYPES",
     "DTYPE_NAMES",
     "MAX_NDIM",
-    "AdaptiveCompressionBase",
     "BlockwiseQuantization",
     "Codec",
     "CompressionBase",
     "CompressionInfo",
     "Float16Compression",
     "NoCompression",
-    "PerTensorCompression",
     "Quantile8BitQuantization",
-    "RoleAdaptiveCompression",
     "ScaledFloat16Compression",
     "SerializedTensor",
-    "SizeAdaptiveCompression",
     "TensorDescriptor",
     "TensorRole",
     "Uniform8BitQuantization",

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from kit.averaging.adaptive_compression import SizeAdaptiveCompression
 from kit.averaging.compression import (
     BlockwiseQuantization,
     CompressionBase,
@@ -21,7 +22,6 @@ from kit.averaging.compression import (
     NoCompression,
     Quantile8BitQuantization,
     ScaledFloat16Compression,
-    SizeAdaptiveCompression,
     Uniform8BitQuantization,
 )
 from kit.config import RunConfig

@@ -7,14 +7,13 @@ import weakref
 
 import torch
 
+from kit.averaging.adaptive_compression import PerTensorCompression, SizeAdaptiveCompression
 from kit.averaging.averages import OutgoingAverages, is_lossless
 from kit.averaging.chunk_stream import decode_chunk, parse_chunk
 from kit.averaging.compression import (
     CompressionInfo,
     Float16Compression,
     NoCompression,
-    PerTensorCompression,
-    SizeAdaptiveCompression,
     TensorDescriptor,
     Uniform8BitQuantization,
 )

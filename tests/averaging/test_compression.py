@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kit.averaging import compression as C
-from kit.averaging.compression import Codec, CompressionInfo, SerializedTensor, TensorRole, extract
+from kit.averaging.compression import Codec, CompressionInfo, SerializedTensor, extract
 from kit.errors import ConfigError, InvalidTensor, NonFiniteLocalTensor, NonFiniteTensor
 
 LOSSY: list[type[C.CompressionBase]] = [
@@ -347,27 +347,6 @@ def test_size_limit_is_configurable() -> None:
 def test_lossy_codecs_refuse_integers() -> None:
     with pytest.raises(ConfigError, match="help:"):
         C.Float16Compression().compress(torch.arange(10))
-
-
-def test_adaptive_codecs_choose_by_whole_tensor() -> None:
-    codec = C.SizeAdaptiveCompression()  # TTT: fp16 under 2**16 elements, uniform 8-bit above
-    big, small = normal(300, 300), normal(10)
-    assert codec.compress(small).codec == Codec.FLOAT16
-    assert codec.compress(big).codec == Codec.UNIFORM_8BIT
-    chunk_of_big = CompressionInfo.from_tensor(big).get_part(3, 100)
-    assert codec.compress(big.view(-1)[:100], chunk_of_big).codec == Codec.UNIFORM_8BIT
-    assert codec.estimate_compression_ratio(CompressionInfo.from_tensor(small)) == 0.5
-    roles = C.RoleAdaptiveCompression(gradient=C.BlockwiseQuantization())
-    gradient = CompressionInfo.from_tensor(big, role=TensorRole.GRADIENT)
-    assert roles.compress(big, gradient).codec == Codec.BLOCKWISE_8BIT
-    assert roles.compress(big).codec == Codec.NONE
-    per_tensor = C.PerTensorCompression({"w": C.Float16Compression()})
-    assert per_tensor.compress(small, CompressionInfo.from_tensor(small, key="w")).codec == 2
-    with pytest.raises(ConfigError, match="help:"):
-        per_tensor.compress(small, CompressionInfo.from_tensor(small, key="b"))
-    assert torch.equal(
-        codec.extract(codec.compress(small)), round_trip(C.Float16Compression(), small)
-    )
 
 
 def test_compression_ratios() -> None:

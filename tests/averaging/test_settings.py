@@ -5,13 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kit.averaging.adaptive_compression import PerTensorCompression, RoleAdaptiveCompression
 from kit.averaging.averager import DecentralizedAverager
 from kit.averaging.compression import (
     CompressionInfo,
     Float16Compression,
     NoCompression,
-    PerTensorCompression,
-    RoleAdaptiveCompression,
     TensorRole,
     Uniform8BitQuantization,
 )

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import kit
+from kit.averaging.adaptive_compression import SizeAdaptiveCompression
 from kit.averaging.compression import (
     Float16Compression,
-    SizeAdaptiveCompression,
     Uniform8BitQuantization,
 )
 from kit.config import CollaborationConfig, OptimizerConfig, RunConfig
