@@ -45,14 +45,8 @@ import time
 from collections.abc import Sequence
 
 from kit.errors import NetnsUnavailable
-from kit.testing.netsim import (
-    DEFAULT_CONGESTION_CONTROL,
-    HostSpec,
-    LinkShape,
-    NetSim,
-    check_available,
-    read_line,
-)
+from kit.testing.netns import check_available, read_line
+from kit.testing.netsim import DEFAULT_CONGESTION_CONTROL, HostSpec, LinkShape, NetSim
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEER = "tests.netsim.peer"

@@ -23,7 +23,7 @@ from kit.relay_directory import (
     relay_records,
 )
 from kit.testing.fake_hub import FakeHub
-from kit.testing.netsim import read_line
+from kit.testing.netns import read_line
 from kit.volunteer import fetch_run_info
 from tests.test_coordinator import allowlisted_run, free_port, hub, wait_for  # noqa: F401
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kit.errors import NetnsUnavailable
-from kit.testing.netsim import check_available
+from kit.testing.netns import check_available
 
 
 def _netns_problem() -> str | None:

@@ -18,16 +18,8 @@ import pytest
 
 from kit.errors import ConfigError
 from kit.testing.delay_proxy import DelayProxy, DelaySchedule
-from kit.testing.netsim import (
-    DEFAULT_CONGESTION_CONTROL,
-    HostSpec,
-    LinkShape,
-    NetSim,
-    clean_stale,
-    list_namespaces,
-    read_line,
-    stale_namespaces,
-)
+from kit.testing.netns import clean_stale, list_namespaces, read_line, stale_namespaces
+from kit.testing.netsim import DEFAULT_CONGESTION_CONTROL, HostSpec, LinkShape, NetSim
 from tests.conftest import MS
 from tests.netsim.skips import skip_without_netns
 

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from kit.demo import prepare
-from kit.testing.netsim import HostSpec, NetSim, read_line
+from kit.testing.netns import read_line
+from kit.testing.netsim import HostSpec, NetSim
 from tests.netsim.skips import skip_without_netns
 
 GLOBAL_ADDRESS = "11.231.0.10"  # is_global: what a cloud server's public IP looks like
