@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import torch
 
 from kit.averaging.allreduce import AllReduceRunner, AveragingMode, Timeouts, cancel_and_wait
+from kit.averaging.balancing import BandwidthEstimate
 from kit.averaging.chunk_stream import RoundBuffers
 from kit.averaging.compression import DTYPE_NAMES, TensorDescriptor
 from kit.averaging.control import AveragingStage, StepControl
@@ -45,8 +46,6 @@ from kit.p2p.identity import PeerID
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-BANDWIDTH_EMA_ALPHA = 0.3  # weight of the newest round in the measured bandwidth
-MIN_MEASURED_BYTES = 2**20  # smaller rounds are latency-bound: they say nothing of bandwidth
 RETRY_PAUSE = 0.1  # s between a failed round and the next search (a group failing at once)
 STAT_KEYS = (  # statistics() counters
     "full_rounds",  # every part averaged over every sender
@@ -131,7 +130,8 @@ class AsyncAverager:
             ]
         )
         self.total_size = sum(t.numel() for t in self.tensors)
-        self.bandwidth = settings.bandwidth  # measured when not given
+        self.bandwidth = settings.bandwidth  # measured when not given (self.measured)
+        self.measured = BandwidthEstimate()
         self.buffers = RoundBuffers()
         self._tasks: set[asyncio.Task[Any]] = set()
         self.matchmaking = MatchmakingDriver(
@@ -377,7 +377,7 @@ class AsyncAverager:
         if report is None:
             self.stats["aborted_rounds"] += 1
             raise AveragingFailed("the group disagreed about itself: nothing was averaged")
-        self._measure(runner, allreduce_time)
+        self._measure(runner, group, allreduce_time)
         self.stats["full_rounds" if report.is_full else "partial_rounds"] += 1
         self.last_round = {
             "group_size": len(group),
@@ -461,19 +461,19 @@ class AsyncAverager:
                 )
             await asyncio.sleep(0.001)
 
-    def _measure(self, runner: AllReduceRunner, seconds: float) -> None:
+    def _measure(self, runner: AllReduceRunner, group: GroupInfo, seconds: float) -> None:
         moved = runner.bytes_sent + runner.bytes_received
         self.stats["bytes_sent"] += runner.bytes_sent
         self.stats["bytes_received"] += runner.bytes_received
-        if self.settings.bandwidth is not None or moved < MIN_MEASURED_BYTES or seconds <= 0:
-            return
-        measured = moved / seconds
-        previous = self.bandwidth
-        self.bandwidth = (
-            measured
-            if previous is None
-            else (1 - BANDWIDTH_EMA_ALPHA) * previous + BANDWIDTH_EMA_ALPHA * measured
+        me = runner.me
+        self.measured = self.measured.after_round(
+            moved,
+            seconds,
+            could_aggregate=not group.client_mode[me],
+            aggregated=group.part_sizes[me] > 0,
         )
+        if self.settings.bandwidth is None:  # (a given bandwidth is never overridden)
+            self.bandwidth = self.measured.bytes_per_s
 
     async def serve_allreduce(self, stream: StreamAPI, header: dict[str, Any]) -> None:
         """An all-reduce stream of round ``header['group_id']``: hand it to that round's runner

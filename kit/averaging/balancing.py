@@ -1,8 +1,9 @@
 """Load balancing: how much of the averaged vector each peer of a group aggregates.
 
 Holds the time model of one butterfly all-reduce round, the linear program that minimises it
-(DeDLOC's, solved with HiGHS), and the exact integer split of a vector into per-peer parts. It
-does not hold the parts' bookkeeping (``kit.averaging.partition``) or any networking.
+(DeDLOC's, solved with HiGHS), the exact integer split of a vector into per-peer parts, and how
+a peer measures the bandwidth it tells the LP (``BandwidthEstimate``). It does not hold the
+parts' bookkeeping (``kit.averaging.partition``) or any networking.
 
 Time model (after DeDLOC, Diskin et al. 2021, appendix on load balancing). A group averages a
 vector of M values. *Senders* (every peer but auxiliary ones) contribute a vector; *aggregators*
@@ -54,6 +55,9 @@ logger = logging.getLogger(__name__)
 
 GRID = 10**6  # fractions are snapped to multiples of 1/GRID before the integer split
 OPTIMUM_SLACK = 1e-7  # relative slack on the best round time when breaking ties (LP tolerance)
+BANDWIDTH_EMA_ALPHA = 0.3  # weight of the newest round in a measured bandwidth
+MIN_MEASURED_BYTES = 2**20  # smaller rounds are latency-bound: they say nothing of bandwidth
+REPROBE_AFTER = 4  # rounds in a row without a part, then a peer's bandwidth is measured afresh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,3 +292,49 @@ def load_balance_peers(
     """
     plan = optimize_fractions(bandwidths, client_mode=client_mode, auxiliary=auxiliary)
     return split_sizes(vector_size, plan.shares, min_size=min_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class BandwidthEstimate:
+    """A peer's bandwidth as the LP above is told it: measured from its own rounds.
+
+    ``bytes_per_s`` is None until measured (the LP then uses the group's mean, and chunks stay
+    unscaled: ``partition.chunk_scale``); ``idle_rounds`` counts the rounds in a row that gave
+    this peer, which could aggregate, no part.
+    """
+
+    bytes_per_s: float | None = None
+    idle_rounds: int = 0
+
+    def after_round(
+        self, moved: int, seconds: float, *, could_aggregate: bool, aggregated: bool
+    ) -> BandwidthEstimate:
+        """The estimate after a round in which this peer moved ``moved`` bytes (sent and
+        received) in ``seconds``; ``could_aggregate``: it was no client in that group;
+        ``aggregated``: the LP gave it a part.
+
+        A round with a part measures the peer's link: it is busy until its own transfers end,
+        and a slower peer takes longer and gets less next time. A round without one, for a peer
+        that could have had one, says little: it sends its vector, then waits for the
+        aggregators, so bytes over time is a fraction of its speed. Learning from it locked a
+        peer out for good (without a part it measured less, so it got none again: a relay busy
+        for a few rounds in ``tests/netsim/test_hole_punch.py``). Such rounds leave the estimate
+        as it is, and after ``REPROBE_AFTER`` of them in a row it is forgotten: the LP gives the
+        peer the mean share and it is measured afresh (a slow one is measured slow again: one
+        slower round in ``REPROBE_AFTER + 1``, with unscaled chunks). A client's rounds are all
+        without a part: measured as they are (the LP gives clients nothing; the chunks follow
+        the slowest member, and a low figure only keeps them small).
+        """
+        if could_aggregate and not aggregated:
+            idle = self.idle_rounds + 1
+            if idle >= REPROBE_AFTER:
+                return BandwidthEstimate(None, 0)
+            return BandwidthEstimate(self.bytes_per_s, idle)
+        if moved < MIN_MEASURED_BYTES or seconds <= 0:
+            return BandwidthEstimate(self.bytes_per_s, 0)  # latency-bound: says nothing
+        measured = moved / seconds
+        previous = self.bytes_per_s
+        if previous is None:
+            return BandwidthEstimate(measured, 0)
+        ema = (1 - BANDWIDTH_EMA_ALPHA) * previous + BANDWIDTH_EMA_ALPHA * measured
+        return BandwidthEstimate(ema, 0)

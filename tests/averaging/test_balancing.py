@@ -195,3 +195,64 @@ def test_a_leader_whose_solver_import_still_runs_splits_by_bandwidth(
     finally:
         release.set()
         loading.join(10.0)
+
+
+MB = 2**20
+
+
+def test_measured_bandwidth_learns_from_rounds_with_a_part() -> None:
+    estimate = balancing.BandwidthEstimate()
+    estimate = estimate.after_round(10 * MB, 1.0, could_aggregate=True, aggregated=True)
+    assert estimate.bytes_per_s == 10 * MB
+    estimate = estimate.after_round(20 * MB, 1.0, could_aggregate=True, aggregated=True)
+    alpha = balancing.BANDWIDTH_EMA_ALPHA
+    assert estimate.bytes_per_s == pytest.approx((1 - alpha) * 10 * MB + alpha * 20 * MB)
+    small = estimate.after_round(MB // 2, 0.01, could_aggregate=True, aggregated=True)
+    assert small.bytes_per_s == estimate.bytes_per_s  # latency-bound: says nothing
+    # a client's rounds never have a part: measured all the same (a lower bound, for chunks)
+    client = balancing.BandwidthEstimate().after_round(
+        4 * MB, 2.0, could_aggregate=False, aggregated=False
+    )
+    assert client == balancing.BandwidthEstimate(2 * MB, 0)
+
+
+def test_rounds_without_a_part_leave_the_estimate_then_forget_it() -> None:
+    estimate = balancing.BandwidthEstimate(8 * MB, 0)
+    for idle in range(1, balancing.REPROBE_AFTER):
+        estimate = estimate.after_round(MB * 3, 1.0, could_aggregate=True, aggregated=False)
+        assert estimate == balancing.BandwidthEstimate(8 * MB, idle)  # not lowered
+    estimate = estimate.after_round(MB * 3, 1.0, could_aggregate=True, aggregated=False)
+    assert estimate == balancing.BandwidthEstimate(None, 0)  # the LP gives it the mean share
+    estimate = estimate.after_round(12 * MB, 2.0, could_aggregate=True, aggregated=True)
+    assert estimate == balancing.BandwidthEstimate(6 * MB, 0)  # measured afresh
+
+
+def simulate_rounds(true_speeds: list[float], first: list[float], rounds: int) -> list[list[int]]:
+    """Rounds of a group whose peers tell the LP their estimates and measure what a round lets
+    them: every peer moves its load (DeDLOC's model, both directions) at its own speed, and
+    the round lasts as long as the busiest one needs; everyone measures its bytes over that."""
+    size = 10**6
+    estimates = [balancing.BandwidthEstimate(b, 0) for b in first]
+    senders = len(true_speeds)
+    history = []
+    for _ in range(rounds):
+        sizes = load_balance_peers(size, [e.bytes_per_s for e in estimates])
+        history.append(list(sizes))
+        moved = [2 * 4 * ((size - w) + (senders - 1) * w) for w in sizes]  # bytes, out + in
+        seconds = max(m / speed for m, speed in zip(moved, true_speeds, strict=True))
+        estimates = [
+            e.after_round(m, seconds, could_aggregate=True, aggregated=w > 0)
+            for e, m, w in zip(estimates, moved, sizes, strict=True)
+        ]
+    return history
+
+
+def test_a_peer_measured_low_once_gets_parts_again() -> None:
+    """A peer whose estimate fell below the others' (a busy relay, a long pause) got no part,
+    then measured only its own vector, and never got a part again. Now it is measured afresh
+    after REPROBE_AFTER rounds without one, and keeps its share once its speed shows."""
+    history = simulate_rounds([50e6] * 5, [5e6] + [50e6] * 4, rounds=12)
+    assert history[0][0] == 0  # excluded by its low estimate
+    back = next(r for r, sizes in enumerate(history) if sizes[0] > 0)
+    assert back == balancing.REPROBE_AFTER
+    assert all(sizes[0] > 0 for sizes in history[back:])

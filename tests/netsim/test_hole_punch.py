@@ -169,5 +169,8 @@ def test_hole_punch_fails_behind_a_symmetric_nat_and_that_peer_stops_aggregating
     assert sym["can_accept"] is False and sym["punch"]["punched"] == 0, finals
     assert sym["punch"]["failed"] >= 3, finals
     last = table[-1]["part_sizes"]
-    assert last["sym"] == 0 and last["public"] > 0, last
+    # The whole vector is aggregated by the others, punched NAT'd peers among them. Not
+    # necessarily by the public peer too: it is also the relay, carrying sym's traffic, and
+    # the LP may move its share to peers that measured faster (seen once: 0 in the last round).
+    assert last["sym"] == 0 and sum(last.values()) == sum(table[0]["part_sizes"].values()), last
     assert any(last[name] > 0 for name in names), (last, finals)
