@@ -313,17 +313,19 @@ class BandwidthEstimate:
         received) in ``seconds``; ``could_aggregate``: it was no client in that group;
         ``aggregated``: the LP gave it a part.
 
-        A round with a part measures the peer's link: it is busy until its own transfers end,
-        and a slower peer takes longer and gets less next time. A round without one, for a peer
-        that could have had one, says little: it sends its vector, then waits for the
-        aggregators, so bytes over time is a fraction of its speed. Learning from it locked a
-        peer out for good (without a part it measured less, so it got none again: a relay busy
-        for a few rounds in ``tests/netsim/test_hole_punch.py``). Such rounds leave the estimate
-        as it is, and after ``REPROBE_AFTER`` of them in a row it is forgotten: the LP gives the
-        peer the mean share and it is measured afresh (a slow one is measured slow again: one
-        slower round in ``REPROBE_AFTER + 1``, with unscaled chunks). A client's rounds are all
-        without a part: measured as they are (the LP gives clients nothing; the chunks follow
-        the slowest member, and a low figure only keeps them small).
+        A round without a part, for a peer that could have had one, leaves the estimate as it
+        is: the peer sent its vector and waited for the aggregators, so its bytes over the time
+        are a fraction of what it could move. Learning from such rounds locked a peer out for
+        good (without a part it measured less, so it got none again: the relay of
+        ``tests/netsim/test_hole_punch.py``, busy for a few rounds). After ``REPROBE_AFTER`` of
+        them in a row the estimate is forgotten: the LP gives the peer the mean share and it is
+        measured afresh (that round's chunks are unscaled). A client's rounds are all without a
+        part: measured as they are (the LP gives clients nothing; chunks follow the slowest
+        member, and a low figure only keeps them small).
+
+        What this cannot do: tell a slow member from the others. Every member measures its
+        bytes over about the same time, the slowest member's, so the estimates follow the loads
+        the LP gave more than the links (a link's speed would need the time it was busy).
         """
         if could_aggregate and not aggregated:
             idle = self.idle_rounds + 1
