@@ -71,6 +71,24 @@ def test_free_buffers_are_kept_up_to_the_limit_then_go_back_to_the_allocator() -
     assert pool.free_bytes == 0
 
 
+def test_a_size_no_round_asks_for_any_more_does_not_fill_the_pool_for_good() -> None:
+    """A round of 1 MiB chunks fills the pool; the next rounds' 2 MiB chunks cannot use those
+    buffers. The buffers that came back longest ago make room: from the second such round on,
+    every 2 MiB chunk is reused (the newest were dropped instead, and all stayed fresh)."""
+    small, large = 1024**2, 2 * 1024**2 + 1
+    pool = PayloadPool(max_free_bytes=8 * small)
+    first = [pool.take(small) for _ in range(8)]
+    del first
+    assert pool.free_bytes == 8 * small
+    for round_index in range(3):
+        allocated = pool.allocated
+        chunks = [pool.take(large) for _ in range(3)]
+        del chunks
+        fresh = pool.allocated - allocated
+        assert fresh == (3 if round_index == 0 else 0), (round_index, fresh)
+    assert pool.free_bytes <= 8 * small
+
+
 def test_a_view_dropped_on_another_thread_gives_its_buffer_back() -> None:
     pool = PayloadPool()
     held = [pool.take(SIZE) for _ in range(8)]
