@@ -130,8 +130,7 @@ class AsyncAverager:
             ]
         )
         self.total_size = sum(t.numel() for t in self.tensors)
-        self.bandwidth = settings.bandwidth  # measured when not given (self.measured)
-        self.measured = BandwidthEstimate()
+        self.measured = BandwidthEstimate()  # from its rounds (``bandwidth``)
         self.buffers = RoundBuffers()
         self._tasks: set[asyncio.Task[Any]] = set()
         self.matchmaking = MatchmakingDriver(
@@ -461,6 +460,12 @@ class AsyncAverager:
                 )
             await asyncio.sleep(0.001)
 
+    @property
+    def bandwidth(self) -> float | None:
+        """What this peer tells the LP: the bandwidth it was given, else the measured one."""
+        given = self.settings.bandwidth
+        return given if given is not None else self.measured.bytes_per_s
+
     def _measure(self, runner: AllReduceRunner, group: GroupInfo, seconds: float) -> None:
         moved = runner.bytes_sent + runner.bytes_received
         self.stats["bytes_sent"] += runner.bytes_sent
@@ -472,8 +477,6 @@ class AsyncAverager:
             could_aggregate=not group.client_mode[me],
             aggregated=group.part_sizes[me] > 0,
         )
-        if self.settings.bandwidth is None:  # (a given bandwidth is never overridden)
-            self.bandwidth = self.measured.bytes_per_s
 
     async def serve_allreduce(self, stream: StreamAPI, header: dict[str, Any]) -> None:
         """An all-reduce stream of round ``header['group_id']``: hand it to that round's runner
