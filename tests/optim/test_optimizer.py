@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -130,8 +131,25 @@ def test_churn_peer_killed_and_late_joiner(tmp_path: Path) -> None:
     reports = {i: json.loads((tmp_path / f"peer{i}.json").read_text()) for i in (0, 2, 3)}
     assert all(report["epoch"] == epochs for report in reports.values())
     assert reports[3]["loaded_epoch"] > 1  # it joined at the collaboration's epoch, not at 0
-    assert np.abs(finals[0] - finals[2]).max() <= 1e-6 * np.abs(finals[0]).max()
-    assert np.abs(finals[0] - finals[3]).max() <= 1e-6 * np.abs(finals[0]).max()
+    for other in (2, 3):
+        gap = np.abs(finals[0] - finals[other]).max()
+        assert gap <= 1e-6 * np.abs(finals[0]).max(), divergence(tmp_path, reports, 0, other)
+
+
+def divergence(tmp_path: Path, reports: dict[int, Any], a: int, b: int) -> str:
+    """Where peers ``a`` and ``b`` parted: their gap after every epoch both saved, and the
+    gradient rounds each took part in (a failure of this test once, in a full-suite run only,
+    left nothing to go on)."""
+    lines = [f"peers {a} and {b} ended apart; epoch: max |difference| of their parameters"]
+    for epoch in range(1, max(reports[a]["epoch"], reports[b]["epoch"]) + 1):
+        saved = [tmp_path / f"peer{i}.e{epoch}.npy" for i in (a, b)]
+        if all(path.exists() for path in saved):
+            gap = np.abs(np.load(saved[0]) - np.load(saved[1])).max()
+            lines.append(f"  epoch {epoch}: {gap:.3e}")
+    for i in (a, b):
+        members = [(r["epoch"], sorted(k[-4:] for k in r["weights"])) for r in reports[i]["rounds"]]
+        lines.append(f"  peer {i} (epochs {reports[i]['epochs']}) rounds: {members}")
+    return "\n".join(lines)
 
 
 def test_bad_arguments_fail_at_construction() -> None:
