@@ -482,6 +482,39 @@ async def test_an_aggregator_that_dies_leaves_its_part_local_and_says_so() -> No
     )
 
 
+async def test_a_sender_whose_tensors_hold_nan_is_averaged_without_its_bad_chunk() -> None:
+    """A NaN in one peer's tensors (an overflowed gradient) reaches nobody's average: the chunk
+    that holds it is averaged over the other peers, every other part over all three, and the
+    round ends for everyone without waiting for a timeout."""
+    swarm, group, values, tensors = await three_aggregators()
+    plan = plan_for(tensors[0], group)
+    bad = plan.parts[2][len(plan.parts[2]) // 2]  # a chunk in the middle of peer 2's part
+    offset = group.part_sizes[0] + group.part_sizes[1] + bad.part_offset  # in the flat vector
+    tensors[1][bad.tensor_index].view(-1)[bad.tensor_offset + 3] = float("nan")
+    runners = [swarm.runner(i, group, tensors[i]) for i in range(3)]
+    started = asyncio.get_running_loop().time()
+    reports = await run_all(runners)
+    assert asyncio.get_running_loop().time() - started < FAST.sender  # no timeout waited for
+    everyone = flat(weighted_mean(values, [1.0, 2.0, 3.0])).float()
+    without = flat(weighted_mean([values[0], values[2]], [1.0, 3.0])).float()
+    chunk = slice(offset, offset + bad.size)
+    rest = group.part_sizes[0] + group.part_sizes[1]
+    for i in (0, 2):
+        report = reports[i]
+        assert isinstance(report, RoundReport) and not report.is_full, report
+        got = flat(tensors[i])
+        assert bool(torch.isfinite(got).all())
+        torch.testing.assert_close(got[chunk], without[chunk], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got[:rest], everyone[:rest], rtol=1e-6, atol=1e-6)
+        assert report.parts[0].complete and report.parts[1].complete
+        assert runners[1].group.peers[1] not in report.parts[2].chunk_peers[bad.chunk_index]
+    # The peer with the NaN gets the other parts' averages; its bad part is not complete.
+    report = reports[1]
+    assert isinstance(report, RoundReport) and not report.parts[2].complete, report
+    assert report.parts[0].complete and report.parts[1].complete
+    torch.testing.assert_close(flat(tensors[1])[:rest], everyone[:rest], rtol=1e-6, atol=1e-6)
+
+
 class PoisoningAggregator(AllReduceRunner):
     """Puts a NaN into the average of its part's second chunk (a hostile or broken aggregator):
     ``nan`` is the bytes of one NaN in the codec's layout."""
