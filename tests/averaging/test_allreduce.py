@@ -507,7 +507,7 @@ async def test_a_sender_whose_tensors_hold_nan_is_averaged_without_its_bad_chunk
         torch.testing.assert_close(got[chunk], without[chunk], rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(got[:rest], everyone[:rest], rtol=1e-6, atol=1e-6)
         assert report.parts[0].complete and report.parts[1].complete
-        assert runners[1].group.peers[1] not in report.parts[2].chunk_peers[bad.chunk_index]
+        assert group.peers[1] not in report.parts[2].chunk_peers[bad.chunk_index]
     # The peer with the NaN gets the other parts' averages; its bad part is not complete.
     report = reports[1]
     assert isinstance(report, RoundReport) and not report.parts[2].complete, report
