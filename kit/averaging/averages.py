@@ -37,8 +37,14 @@ from kit.averaging.compression import (
     extract,
     reused_empty,
 )
-from kit.averaging.partition import PartitionPlan, PartReducer
+from kit.averaging.partition import PartitionPlan
+from kit.averaging.reducer import PartReducer
 from kit.errors import NonFiniteLocalTensor
+
+#: Raw values sent unchecked: for values already checked, or checked by whoever sums them
+#: (every aggregator checks what it adds, ``kit.averaging.reducer``): the same bytes as
+#: NoCompression's, without its pass over them.
+UNCHECKED_RAW = NoCompression(allow_non_finite=True)
 
 Encoded = tuple[bytes, memoryview | None]  # a chunk_head, then its payload (None: no payload)
 Sent = torch.Tensor | tuple[dict[str, Any], memoryview]  # a sender's chunk: values, or encoded
@@ -74,6 +80,13 @@ class OutgoingAverages:
         self.plan, self.reducer, self.compression = plan, reducer, compression
         self.sender_bits = sender_bits
         rounded = [not is_lossless(compression, plan.compression_info(c)) for c in reducer.chunks]
+        # lossless float32 chunks of a reducer that checked the average: sent as they are
+        self._checked = [
+            reducer.checks_averages
+            and not r
+            and plan.tensors[c.tensor_index].dtype == torch.float32
+            for c, r in zip(reducer.chunks, rounded, strict=True)
+        ]
         self.lossy = [deltas and r for r in rounded]  # chunks whose senders get their own delta
         # deltas=False: lossy chunks of the shared average; this peer keeps the decoded bytes
         # too, so every member of the round ends with the same values
@@ -131,7 +144,7 @@ class OutgoingAverages:
         if shared is not None:
             return shared
         sent = self._sent.pop((sender, chunk), None)
-        if sent is None:
+        if sent is None or sender not in self.reducer.delivered[chunk]:  # (NaN: left out)
             return self._encode(chunk, None)
         if not isinstance(sent, torch.Tensor):
             spec = self.reducer.chunks[chunk]
@@ -154,8 +167,9 @@ class OutgoingAverages:
             sent = sent if sent.dtype == torch.float16 else sent.float()
             values = torch.sub(averaged, sent, out=reused_empty(spec.size, torch.float32))
         values = values if dtype == torch.float32 else values.to(dtype)
+        codec = UNCHECKED_RAW if sent is None and self._checked[chunk] else self.compression
         try:
-            serialized = self.compression.compress(values, self.plan.compression_info(spec))
+            serialized = codec.compress(values, self.plan.compression_info(spec))
         except NonFiniteLocalTensor:  # the weighted sum overflowed: nobody gets this chunk
             return chunk_head({"chunk": chunk, "peers": 0}), None
         header, payload = serialized.header(), memoryview(serialized.buffer).cast("B")

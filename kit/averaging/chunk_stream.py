@@ -207,8 +207,8 @@ def decode_chunk(
 ) -> torch.Tensor:
     """Decode a chunk whose codec header is ``header`` (untrusted) into a flat tensor.
 
-    ``check_finite=False``: the caller checks the values itself, once (a contribution is
-    checked by ``PartReducer.accept``, a difference once it is added to our values).
+    ``check_finite=False``: the caller checks the values itself, once (a contribution by the
+    reducer that sums it, a difference once it is added to our values).
 
     Raises:
         InvalidTensor: another shape or dtype than the chunk's, a payload that does not match

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from kit.averaging.averages import UNCHECKED_RAW, is_lossless
 from kit.averaging.chunk_stream import (
     PROTOCOL,
     RoundBuffers,
@@ -145,7 +146,11 @@ class SenderSide:
 
     async def _send_chunks(self, stream: StreamAPI, k: int) -> None:
         for spec, view in self.plan.iter_part(self.tensors, k):
-            serialized = self.compression.compress(view, self.plan.compression_info(spec))
+            info = self.plan.compression_info(spec)
+            # Raw values go unchecked: the aggregator checks what it sums (kit.averaging.reducer),
+            # and a pass here would only repeat that (a NaN chunk of ours is left out there).
+            codec = UNCHECKED_RAW if is_lossless(self.compression, info) else self.compression
+            serialized = codec.compress(view, info)
             payload = memoryview(serialized.buffer).cast("B")
             head = chunk_head({"chunk": spec.chunk_index, **serialized.header()})
             await send_chunk(stream, head, payload, self.tasks.remaining(self.timeouts.reducer))

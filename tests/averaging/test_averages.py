@@ -17,7 +17,8 @@ from kit.averaging.compression import (
     TensorDescriptor,
     Uniform8BitQuantization,
 )
-from kit.averaging.partition import PartitionPlan, PartReducer
+from kit.averaging.partition import PartitionPlan
+from kit.averaging.reducer import PartReducer
 
 
 def reducer_of(values: dict[str, torch.Tensor]) -> tuple[PartitionPlan, PartReducer]:
