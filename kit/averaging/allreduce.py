@@ -215,7 +215,7 @@ class AllReduceRunner:
         tasks, their callbacks) that only the cyclic GC frees, seldom, and the averages it
         staged are as large as the vector (measured: +40 MB a round per peer until a GC)."""
         if self.sender is not None:
-            self.sender.averages.clear()
+            self.sender.release()
         if self._averages is not None:
             self._averages.release()
 
@@ -272,7 +272,7 @@ class AllReduceRunner:
                     if averaged is not None:
                         target.copy_(averaged)
                 else:
-                    target.copy_(self.sender.staged(spec))
+                    self.sender.commit(target, spec)
 
     # --- aggregator side -----------------------------------------------------------------------
 

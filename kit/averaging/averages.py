@@ -39,6 +39,7 @@ from kit.averaging.compression import (
 )
 from kit.averaging.partition import PartitionPlan
 from kit.averaging.reducer import PartReducer
+from kit.averaging.widening import add_widened
 from kit.errors import NonFiniteLocalTensor
 
 #: Raw values sent unchecked: for values already checked, or checked by whoever sums them
@@ -165,7 +166,8 @@ class OutgoingAverages:
         values = averaged
         if sent is not None:  # in float32 (float16 is widened exactly as it is subtracted)
             sent = sent if sent.dtype == torch.float16 else sent.float()
-            values = torch.sub(averaged, sent, out=reused_empty(spec.size, torch.float32))
+            values = reused_empty(spec.size, torch.float32)
+            add_widened(values, averaged, sent, alpha=-1.0)
         values = values if dtype == torch.float32 else values.to(dtype)
         codec = UNCHECKED_RAW if sent is None and self._checked[chunk] else self.compression
         try:

@@ -23,8 +23,8 @@ chunk's kept contributions are checked and let go, and its later ones are checke
 arrive, as they all were before.
 
 The first contribution of a chunk is kept unwritten and summed together with the second
-(``torch.add(first, second, alpha=..., out=...)``): one pass less per chunk than writing it
-alone first. The accumulator then holds the weighted sum divided by the first weight
+(``first + alpha * second`` written into the accumulator): one pass less per chunk than writing
+it alone first. Float16 values are summed as they arrived, in float32 (``kit.averaging.widening``). The accumulator then holds the weighted sum divided by the first weight
 (``_scale``), which the final division takes back.
 """
 
@@ -40,6 +40,7 @@ import torch
 
 from kit.averaging.compression import is_finite
 from kit.averaging.partition import PartitionPlan, PartReport
+from kit.averaging.widening import add_widened
 from kit.errors import ConfigError, InvalidChunk, KitUsageError
 
 logger = logging.getLogger(__name__)
@@ -269,17 +270,17 @@ class PartReducer:
         sender, values, weight = contribution
         total = self._total(chunk)
         first = self._first[chunk]
-        if first is not None:  # the first two in one pass, unless that would sum in float16
+        if first is not None:  # the first two in one pass (floats: in float32 or wider)
             self._first[chunk] = None
             _, earlier, earlier_weight = first
-            if _sums_in_float32(earlier, values):
-                torch.add(earlier, values, alpha=weight / earlier_weight, out=total)
+            if earlier.is_floating_point() and values.is_floating_point():
+                add_widened(total, earlier, values, alpha=weight / earlier_weight)
                 self._scale[chunk] = earlier_weight
             else:
                 _write(total, earlier, earlier_weight)
                 total.add_(values, alpha=weight)
         elif self.delivered[chunk]:
-            total.add_(values, alpha=weight / self._scale[chunk])
+            add_widened(total, total, values, alpha=weight / self._scale[chunk])
         elif defer:
             self._first[chunk] = contribution
         else:
@@ -356,15 +357,6 @@ class PartReducer:
         logger.debug("part %d: chunk %d from %r holds NaN or inf", self.part_index, chunk, sender)
         if self.on_non_finite is not None:
             self.on_non_finite(sender, chunk)
-
-
-def _sums_in_float32(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether torch.add(a, b) computes in float32 or wider (never in float16, never integers)."""
-    return (
-        a.is_floating_point()
-        and b.is_floating_point()
-        and torch.promote_types(a.dtype, b.dtype) in (torch.float32, torch.float64)
-    )
 
 
 def _write(total: torch.Tensor, values: torch.Tensor, weight: float) -> None:

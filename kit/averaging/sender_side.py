@@ -45,6 +45,7 @@ from kit.averaging.compression import CompressionBase, is_finite, reused_empty
 from kit.averaging.group import GroupInfo
 from kit.averaging.partition import ChunkSpec, PartitionPlan, PartReport
 from kit.averaging.round_tasks import RoundTasks
+from kit.averaging.widening import add_widened
 from kit.errors import (
     InvalidTensor,
     KitTimeout,
@@ -59,6 +60,7 @@ from kit.p2p.api import PeerAPI, StreamAPI
 from kit.p2p.identity import PeerID
 
 logger = logging.getLogger("kit.averaging.allreduce")  # the round's log, as before the split
+_WIDE = (torch.float32, torch.float64)  # tensors a float16 difference is added to, widened
 
 
 class SenderSide:
@@ -85,13 +87,26 @@ class SenderSide:
         self.buffers, self.tasks, self.timeouts = buffers, tasks, tasks.timeouts
         self.sender_bits, self._unreachable, self._abort = sender_bits, unreachable, abort
         self.averages: dict[tuple[int, int], torch.Tensor] = {}  # (part, chunk): staged values
+        self._differences: set[tuple[int, int]] = set()  # staged: a float16 difference to ours
         self.bytes_sent = 0
         self.bytes_received = 0
 
-    def staged(self, spec: ChunkSpec) -> torch.Tensor:
-        """The received average of chunk ``spec`` (flat; float16 values of a float tensor stay
-        float16 here: copy them into the tensor, ``copy_`` widens them)."""
-        return self.averages[(spec.part_index, spec.chunk_index)]
+    def commit(self, target: torch.Tensor, spec: ChunkSpec) -> None:
+        """Write the received average of chunk ``spec`` into ``target`` (its view of the
+        tensors): copied (float16 values widened as they are written), or, for a staged
+        difference, added to our values in place (one pass: ours + difference is never staged)."""
+        staged = self.averages[(spec.part_index, spec.chunk_index)]
+        if (spec.part_index, spec.chunk_index) not in self._differences:
+            target.copy_(staged)
+        elif target.device.type == "cpu":
+            add_widened(target, target, staged)
+        else:
+            target.add_(staged.to(target.device))
+
+    def release(self) -> None:
+        """The round is over: let go of the staged frames (their buffers are then reused)."""
+        self.averages.clear()
+        self._differences.clear()
 
     async def exchange_part(self, k: int) -> PartReport:
         """Send part ``k`` to its aggregator and stage the averages it sends back.
@@ -194,11 +209,17 @@ class SenderSide:
         if not delta and arrived is not None:  # staged in the frame (float16: the commit's copy
             # widens it, one pass where decoding first wrote, and faulted in, a float32 copy)
             values = arrived
-        elif delta and arrived is not None and dtype in (torch.float32, torch.float64):
-            # our exact values plus the difference as it arrived (widened exactly), into a
-            # reused buffer: no decoded copy of the difference
-            ours = self.plan.chunk_view(self.tensors, spec).cpu()
-            values = torch.add(ours, arrived, out=reused_empty(spec.size, dtype))
+        elif delta and arrived is not None and arrived.dtype == torch.float16 and dtype in _WIDE:
+            # A float16 difference, staged as it arrived and added to our values at the commit
+            # (the tensors are locked for the round: ours do not change meanwhile). Checking it
+            # checks the sum: finite float32 values plus a finite float16 difference (at most
+            # 65504) are finite unless ours are within 65504 of float32's largest, 3.4e38.
+            values = arrived
+            self._differences.add((spec.part_index, spec.chunk_index))
+        elif delta and arrived is not None and dtype in _WIDE:
+            # our exact values plus the raw difference, into a reused buffer (no decoded copy)
+            values = reused_empty(spec.size, dtype)
+            add_widened(values, self.plan.chunk_view(self.tensors, spec).cpu(), arrived)
         else:  # decoded into a new tensor (checked below, a difference once added to ours)
             values = decode_chunk(codec_header, payload, spec, dtype, check_finite=False)
             if delta:  # our exact values plus the compressed difference to the average
