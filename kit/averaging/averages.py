@@ -81,12 +81,13 @@ class OutgoingAverages:
         self.plan, self.reducer, self.compression = plan, reducer, compression
         self.sender_bits = sender_bits
         rounded = [not is_lossless(compression, plan.compression_info(c)) for c in reducer.chunks]
-        # lossless float32 chunks of a reducer that checked the average: sent as they are
+        # float32 chunks of a plain NoCompression (any other codec sees every chunk, as in
+        # hivemind) whose reducer checked the average: sent as they are
         self._checked = [
             reducer.checks_averages
-            and not r
+            and type(compression) is NoCompression
             and plan.tensors[c.tensor_index].dtype == torch.float32
-            for c, r in zip(reducer.chunks, rounded, strict=True)
+            for c in reducer.chunks
         ]
         self.lossy = [deltas and r for r in rounded]  # chunks whose senders get their own delta
         # deltas=False: lossy chunks of the shared average; this peer keeps the decoded bytes

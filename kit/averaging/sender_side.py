@@ -2,15 +2,16 @@
 
 Holds ``SenderSide``: for each other aggregator of the group, this peer opens one stream
 (``chunk_stream.PROTOCOL``), sends the round's header and then that part's chunks of its own
-vector in order, compressed, while it reads the averages coming back on the same stream. Each
-average is checked (the chunk expected, a peer set within the group's senders, finite values)
-and kept, staged, as the values the round writes into the tensors only when it ends
+vector in order, compressed (raw values unchecked: the aggregator checks what it sums), while it
+reads the averages coming back on the same stream. Each average is checked (the chunk expected,
+a peer set within the group's senders, finite values) and kept, staged, as the values the round
+writes into the tensors only when it ends
 (``AllReduceRunner._commit``: all or nothing per part): raw values in the very frame they
 arrived in (no copy before the commit), as are float16 values (the commit widens them as it
 writes), others as decoded. With a lossy codec the aggregator sends ``delta`` (the compressed
-difference between the average and what this peer sent), added here to this peer's exact
-values: one rounding of a small difference instead of a second rounding of the whole average
-(``kit.averaging.averages``).
+difference between the average and what this peer sent), added to this peer's exact values
+(a float16 difference as it arrived, by the commit): one rounding of a small difference instead
+of a second rounding of the whole average (``kit.averaging.averages``).
 
 Separate from ``allreduce`` (the round: which parts, the aggregator's side, the report and the
 commit) because a sender's streams are a concern of their own: they meet the round only where a
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from kit.averaging.averages import UNCHECKED_RAW, is_lossless
+from kit.averaging.averages import UNCHECKED_RAW
 from kit.averaging.chunk_stream import (
     PROTOCOL,
     RoundBuffers,
@@ -41,7 +42,7 @@ from kit.averaging.chunk_stream import (
     send_chunk,
     tensor_header,
 )
-from kit.averaging.compression import CompressionBase, is_finite, reused_empty
+from kit.averaging.compression import CompressionBase, NoCompression, is_finite, reused_empty
 from kit.averaging.group import GroupInfo
 from kit.averaging.partition import ChunkSpec, PartitionPlan, PartReport
 from kit.averaging.round_tasks import RoundTasks
@@ -88,6 +89,7 @@ class SenderSide:
         self.sender_bits, self._unreachable, self._abort = sender_bits, unreachable, abort
         self.averages: dict[tuple[int, int], torch.Tensor] = {}  # (part, chunk): staged values
         self._differences: set[tuple[int, int]] = set()  # staged: a float16 difference to ours
+        self._raw = type(compression) is NoCompression  # (not a subclass, not adaptive)
         self.bytes_sent = 0
         self.bytes_received = 0
 
@@ -164,7 +166,8 @@ class SenderSide:
             info = self.plan.compression_info(spec)
             # Raw values go unchecked: the aggregator checks what it sums (kit.averaging.reducer),
             # and a pass here would only repeat that (a NaN chunk of ours is left out there).
-            codec = UNCHECKED_RAW if is_lossless(self.compression, info) else self.compression
+            # Only for a plain NoCompression: any other codec sees every chunk, as in hivemind.
+            codec = UNCHECKED_RAW if self._raw else self.compression
             serialized = codec.compress(view, info)
             payload = memoryview(serialized.buffer).cast("B")
             head = chunk_head({"chunk": spec.chunk_index, **serialized.header()})
