@@ -290,16 +290,8 @@ class PartReducer:
 
     def _settle(self, chunk: int) -> None:
         """The chunk is complete: average it in place and check the average (see the module)."""
-        kept = self._kept[chunk]
         finite = self._average(chunk)
-        if not finite and kept:
-            good = []
-            for contribution in kept:
-                if is_finite(contribution[1]):
-                    good.append(contribution)
-                else:
-                    self._left_out(contribution[0], chunk)
-            self._rebuild(chunk, good)
+        if not finite and self._leave_out_non_finite(chunk):
             finite = self._average(chunk)
         if not finite:
             logger.warning(
@@ -314,30 +306,37 @@ class PartReducer:
         """Turn the chunk's sum into its average, in place; whether it is finite."""
         if not self.delivered[chunk]:
             return True
+        self._write_first(chunk)  # the only contribution, if still unwritten
         total = self._total(chunk)
-        first = self._first[chunk]
-        if first is not None:  # the only contribution
-            self._first[chunk] = None
-            _write(total, first[1], first[2])
         total.div_(self.weight_sums[chunk] / self._scale[chunk])
         return is_finite(total)
 
     def _check_kept(self, chunk: int) -> None:
         """Check the chunk's kept contributions now, let them go, and check its later ones as
         they arrive."""
-        kept = self._kept[chunk]
-        good = [contribution for contribution in kept if is_finite(contribution[1])]
-        if len(good) < len(kept):
-            for contribution in kept:
-                if not any(contribution is g for g in good):
-                    self._left_out(contribution[0], chunk)
-            self._rebuild(chunk, good)
-        elif self._first[chunk] is not None:
-            _, values, weight = self._first[chunk]  # type: ignore[misc]
-            self._first[chunk] = None
-            _write(self._total(chunk), values, weight)
+        if not self._leave_out_non_finite(chunk):
+            self._write_first(chunk)  # kept no more: it cannot wait for the next one
         self._release(chunk)
         self._eager[chunk] = True
+
+    def _leave_out_non_finite(self, chunk: int) -> bool:
+        """Check the chunk's kept contributions one by one; leave out those holding NaN or inf
+        and sum the others again. Whether any was left out."""
+        kept = self._kept[chunk]
+        finite = [is_finite(values) for _, values, _ in kept]
+        if all(finite):
+            return False
+        for (sender, _, _), ok in zip(kept, finite, strict=True):
+            if not ok:
+                self._left_out(sender, chunk)
+        self._rebuild(chunk, [c for c, ok in zip(kept, finite, strict=True) if ok])
+        return True
+
+    def _write_first(self, chunk: int) -> None:
+        first = self._first[chunk]
+        if first is not None:
+            self._first[chunk] = None
+            _write(self._total(chunk), first[1], first[2])
 
     def _rebuild(self, chunk: int, contributions: list[Contribution]) -> None:
         """Sum the chunk again from ``contributions`` only."""

@@ -46,7 +46,7 @@ from kit.averaging.compression import CompressionBase, NoCompression, is_finite,
 from kit.averaging.group import GroupInfo
 from kit.averaging.partition import ChunkSpec, PartitionPlan, PartReport
 from kit.averaging.round_tasks import RoundTasks
-from kit.averaging.widening import add_widened
+from kit.averaging.widening import WIDE_FLOATS, add_widened
 from kit.errors import (
     InvalidTensor,
     KitTimeout,
@@ -61,7 +61,6 @@ from kit.p2p.api import PeerAPI, StreamAPI
 from kit.p2p.identity import PeerID
 
 logger = logging.getLogger("kit.averaging.allreduce")  # the round's log, as before the split
-_WIDE = (torch.float32, torch.float64)  # tensors a float16 difference is added to, widened
 
 
 class SenderSide:
@@ -212,14 +211,19 @@ class SenderSide:
         if not delta and arrived is not None:  # staged in the frame (float16: the commit's copy
             # widens it, one pass where decoding first wrote, and faulted in, a float32 copy)
             values = arrived
-        elif delta and arrived is not None and arrived.dtype == torch.float16 and dtype in _WIDE:
+        elif (
+            delta
+            and arrived is not None
+            and arrived.dtype == torch.float16
+            and dtype in WIDE_FLOATS
+        ):
             # A float16 difference, staged as it arrived and added to our values at the commit
             # (the tensors are locked for the round: ours do not change meanwhile). Checking it
             # checks the sum: finite float32 values plus a finite float16 difference (at most
             # 65504) are finite unless ours are within 65504 of float32's largest, 3.4e38.
             values = arrived
             self._differences.add((spec.part_index, spec.chunk_index))
-        elif delta and arrived is not None and dtype in _WIDE:
+        elif delta and arrived is not None and dtype in WIDE_FLOATS:
             # our exact values plus the raw difference, into a reused buffer (no decoded copy)
             values = reused_empty(spec.size, dtype)
             add_widened(values, self.plan.chunk_view(self.tensors, spec).cpu(), arrived)

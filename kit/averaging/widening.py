@@ -18,7 +18,7 @@ import torch
 SLICE = 1 << 16  # elements widened at once: 256 KiB of float32, well inside a core's L2
 
 _NARROW = (torch.float16, torch.bfloat16)
-_WIDE = (torch.float32, torch.float64)
+WIDE_FLOATS = (torch.float32, torch.float64)  # what float16 is widened to
 _local = threading.local()  # each thread's scratch buffers (the loop's, a worker's)
 
 
@@ -30,7 +30,7 @@ def add_widened(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: floa
     """
     operands = (a.dtype, b.dtype)
     if operands == (out.dtype, out.dtype) or not all(
-        dtype == out.dtype or (dtype in _NARROW and out.dtype in _WIDE) for dtype in operands
+        dtype == out.dtype or (dtype in _NARROW and out.dtype in WIDE_FLOATS) for dtype in operands
     ):
         torch.add(a, b, alpha=alpha, out=out)
         return
