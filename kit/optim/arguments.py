@@ -108,7 +108,9 @@ def validate(arguments: dict[str, Any]) -> None:
             "average_state_every must be >= 0 and load_state_timeout > 0 - help: e.g. 1 and 600"
         )
     names = arguments["average_opt_statistics"]
-    if isinstance(names, str) or not all(isinstance(n, str) and n for n in names):
+    if names is not None and (
+        isinstance(names, str) or not all(isinstance(n, str) and n for n in names)
+    ):
         raise ConfigError(
             "average_opt_statistics must be a sequence of names of optimizer statistics - "
             "help: e.g. ('exp_avg_sq',) for Adam"

@@ -36,11 +36,12 @@ from kit.optim.epoch_actions import (
     StartRefresh,
     StepWithoutRound,
 )
-from kit.optim.epochs import MAX_FAST_FORWARD, EpochLife, Phase, Position, Report
+from kit.optim.epochs import MAX_FAST_FORWARD, EpochLife, Phase, Position, Refresh, Report
 from kit.optim.grad_scaling import current_scale, found_inf_tensor, hold_growth, record_check
 from kit.optim.progress import ProgressTracker
 from kit.optim.rounds import GradientRounds, RoundOutcome, group_bits
 from kit.optim.sharing import StateSharing
+from kit.optim.splits import TAG_BYTES, RoundTag, SplitWatch
 from kit.optim.state import StateSnapshot
 from kit.optim.state_averaging import AveragedTensors, DelayedStateAveraging, state_averaging_needed
 from kit.optim.stepping import InnerOptimizer
@@ -118,12 +119,15 @@ class EpochDriver:
         self._outcome: RoundOutcome | None = None  # of the last gradient round, to judge
         self._backoff_due = False  # an averaged gradient was not finite: back the scale off
         self._step_ended: float | None = None  # when the last step() returned (perf_counter)
+        self.splits = SplitWatch()  # did a recent round of ours split from a larger group?
+        self._splits_checked: tuple[Any, ...] | None = None  # (records, tags) last checked
 
     # --- a step -----------------------------------------------------------------------------
 
     def step(self, batch_size: int, grad_scaler: Any, clip_norm: float | None = None) -> None:
         """``kit.Optimizer.step`` of a training peer (see its module for the whole story)."""
         self.apply_background_work()
+        self.follow_split()
         if self._backoff_due and grad_scaler is not None:
             # The last averaged gradient was not finite: every member skipped that step, and
             # backs its loss scale off as the scaler would after an inf (grad_scaling).
@@ -265,7 +269,7 @@ class EpochDriver:
             elif isinstance(action, CancelPrefetch):
                 self.sharing.cancel_prefetch()
             elif isinstance(action, StartRefresh):
-                self.sharing.start_refresh(action.min_epoch)
+                self.sharing.start_refresh(action.min_epoch, action.donors)
             elif isinstance(action, AverageGradients):
                 self._average(action)
             elif isinstance(action, StepWithoutRound):
@@ -293,6 +297,7 @@ class EpochDriver:
         if outcome is not None:
             outcome.log()
             judgement = outcome.judgement()
+            self._tag_round(outcome)
         # Someone to refresh from (only asked when it matters: the view costs an aggregate).
         others = judgement is not None and judgement.failed_or_partial
         others = others and self.tracker.global_progress.num_peers > 1
@@ -319,6 +324,12 @@ class EpochDriver:
         )
         if not needed or self.tracker.global_progress.num_peers <= 1:
             return  # (nobody to average with: a peer that shows up downloads our state)
+        if self.state_round.running and self.state_round.epoch < epoch:
+            # An older round still looking for a group: the others are at this epoch now.
+            rebased = self.state_round.rebased
+            if self.state_round.give_up_search() and rebased:
+                # We loaded a state whose donor averages in that round: it moves without us.
+                self.act(self.life.drifted_by())
         if self.state_round.running:
             logger.debug("the previous parameter round still runs: skipping epoch %d's", epoch)
             return
@@ -336,6 +347,37 @@ class EpochDriver:
             else search_window(self.matchmaking_time),
             epoch=epoch,
         )
+
+    def _tag_round(self, outcome: RoundOutcome) -> None:
+        """Publish the group of a full, exact round (one group: a Moshpit grid's differ by
+        design), so that peers of one epoch that averaged apart find out (``kit.optim.splits``)."""
+        result = outcome.result
+        if outcome.grid is None and result is not None and result.is_full and outcome.exact:
+            self.tracker.add_round(
+                RoundTag(outcome.epoch, result.group_id[:TAG_BYTES], len(result))
+            )
+
+    def follow_split(self) -> None:
+        """A recent round of ours was one of several groups, not the largest: copy the largest
+        group's state (an exact copy: optimizer statistics differ too, ``kit.optim.splits``)."""
+        if not self.life.joined or self.local_updates or self.auxiliary:
+            return
+        if self.life.refresh is not Refresh.IDLE:
+            return  # (checked again once it landed: it may bring the other group's state)
+        seen = (self.tracker.fetched_at, self.tracker.round_tags)
+        if seen == self._splits_checked:
+            return  # nothing new since the last look
+        self._splits_checked = seen
+        found = self.splits.check(self.tracker.round_tags, self.tracker.others_round_tags())
+        if found is not None:
+            epoch, donors = found
+            logger.info(
+                "epoch %d's gradient round split into groups and ours was not the largest: "
+                "copying the state of its %d peers",
+                epoch,
+                len(donors),
+            )
+            self.act(self.life.lost_split(donors))
 
     def roll_back_if_not_finite(self) -> bool:
         """Undo a step that left any parameter inf or NaN; True if it did.

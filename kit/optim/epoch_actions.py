@@ -45,9 +45,11 @@ class CancelPrefetch:
 @dataclasses.dataclass(frozen=True)
 class StartRefresh:
     """Download the collaboration's state (of ``min_epoch`` or newer) in the background; keep
-    a copy of the parameters now, for a delta should we step on meanwhile."""
+    a copy of the parameters now, for a delta should we step on meanwhile. ``donors``: only
+    from these peers (ids; None: any, the verified majority's state)."""
 
     min_epoch: int
+    donors: frozenset[bytes] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

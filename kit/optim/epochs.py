@@ -164,6 +164,7 @@ class EpochLife:
         self.last_group_size = 0  # of the last gradient round (0: none, or it failed)
         self.refresh_epoch = 0  # our epoch when the refresh download began
         self.refresh_tries = 0  # downloads since we fell behind
+        self.refresh_donors: frozenset[bytes] | None = None  # whom the refresh copies (None: any)
         self.drift_marks = 0  # times drift was marked (a parameter round clears only older ones)
         self.marks_at_parameter_round = 0  # drift_marks when the running parameter round began
 
@@ -197,12 +198,18 @@ class EpochLife:
             raise AssertionError(f"refresh {event.value} while {self.refresh.value}")
         self.refresh = refresh
 
+    def _begin_refresh(self, donors: frozenset[bytes] | None = None) -> list[Action]:
+        """A new catch-up: up to REFRESH_TRIES downloads, from ``donors`` (None: any)."""
+        self.refresh_tries = 0
+        self.refresh_donors = donors
+        return self._start_refresh()
+
     def _start_refresh(self) -> list[Action]:
         self._refresh(Event.START)
         self.refresh_epoch = self.epoch
         # A state of our epoch at least: right after our round failed, the others may still be
         # in theirs, advertising the previous epoch's state, which would be of no use.
-        return [StartRefresh(self.epoch)]
+        return [StartRefresh(self.epoch, self.refresh_donors)]
 
     def _cancel_prefetch(self) -> list[Action]:
         if not self.prefetching:
@@ -318,8 +325,7 @@ class EpochLife:
         # expected left its members identical to each other: the missing peer is the one to
         # refresh; drift flags bring parameter averaging for the rest.)
         if judgement.failed_or_partial and others and self.refresh is Refresh.IDLE:
-            self.refresh_tries = 0
-            actions += self._start_refresh()
+            actions += self._begin_refresh()
         return actions
 
     def report_now(
@@ -356,8 +362,7 @@ class EpochLife:
         actions: list[Action] = [DropAccumulated(), *self._sync(Event.MARK_DRIFTED)]
         actions += [Publish(global_epoch, 0), *self._cancel_prefetch()]
         if self.refresh is Refresh.IDLE:  # else the download under way brings a newer state
-            self.refresh_tries = 0
-            actions += self._start_refresh()
+            actions += self._begin_refresh()
         return actions
 
     # --- events of the state ----------------------------------------------------------------
@@ -398,6 +403,14 @@ class EpochLife:
         if self.refresh_tries < REFRESH_TRIES:
             actions += self._start_refresh()
         return actions
+
+    def lost_split(self, donors: frozenset[bytes]) -> list[Action]:
+        """Our gradient round of a recent epoch was one of several groups, not the one everyone
+        follows (``kit.optim.splits``): flag drift and copy the state of ``donors``, its peers
+        (call it while no refresh runs: one under way may bring another group's state)."""
+        if self.refresh is not Refresh.IDLE:
+            raise AssertionError("lost_split while a refresh runs")
+        return [*self._sync(Event.MARK_DRIFTED), *self._begin_refresh(donors)]
 
     def drifted_by(self) -> list[Action]:
         """Our parameters may differ from the others' (a checkpoint loaded, a step rolled back)."""

@@ -75,6 +75,7 @@ from kit.optim.sharing import StateSharing, start_download
 from kit.optim.state_averaging import (
     AveragedTensors,
     DelayedStateAveraging,
+    default_statistics,
     initialize_statistics,
 )
 from kit.optim.stepping import InnerOptimizer
@@ -132,7 +133,11 @@ class Optimizer(torch.optim.Optimizer):
         auxiliary: a helper without gradients (CPU is enough): it only joins averaging rounds.
         grad_compression, state_averaging_compression: codecs (kit.averaging) on the wire.
         average_opt_statistics: names of optimizer statistics averaged with the parameters
-            (e.g. ``("exp_avg_sq",)`` for Adam); useful with ``use_local_updates``.
+            (e.g. ``("exp_avg_sq",)`` for Adam). None (kit's default): Adam's and LAMB's two
+            moments, so that a peer pulled back after a failed or split round steps like the
+            others again (none for other optimizers, and with ``use_local_updates``); pass
+            hivemind's default ``()`` to save their memory and traffic
+            (``kit.optim.state_averaging.default_statistics`` says why).
         extra_tensors: further tensors averaged with the parameters and shared with late
             joiners (e.g. a running mean that is not a parameter); same shapes on every peer.
         averager_opts, tracker_opts: extra keyword arguments of the averagers and the tracker.
@@ -171,7 +176,7 @@ class Optimizer(torch.optim.Optimizer):
         grad_averager_factory: Any = None,
         state_averaging_compression: CompressionBase | None = None,
         load_state_compression: CompressionBase | None = None,
-        average_opt_statistics: Sequence[str] = (),
+        average_opt_statistics: Sequence[str] | None = None,
         extra_tensors: Sequence[torch.Tensor] = (),
         averager_opts: dict[str, Any] | None = None,
         tracker_opts: dict[str, Any] | None = None,
@@ -192,7 +197,6 @@ class Optimizer(torch.optim.Optimizer):
         self.delay_grad_averaging = delay_grad_averaging
         self.delay_state_averaging = delay_state_averaging
         self.average_state_every = average_state_every
-        self.average_opt_statistics = tuple(average_opt_statistics)
         self.load_state_timeout = load_state_timeout
         self.shutdown_timeout = float(shutdown_timeout)
         self.target_group_size = target_group_size
@@ -230,8 +234,12 @@ class Optimizer(torch.optim.Optimizer):
             self._matchmaking_time = deadlines.matchmaking_time(2)  # until the first round
             self._averaging_timeout = deadlines.averaging_timeout(2)
             self._extra = list(extra_tensors)
+            # (before the scheduler: initializing the statistics takes an optimizer step)
+            if average_opt_statistics is None:
+                average_opt_statistics = () if use_local_updates else default_statistics(self.opt)
+            self.average_opt_statistics = tuple(average_opt_statistics)
             if self.average_opt_statistics:
-                initialize_statistics(self.opt, self.average_opt_statistics)  # before the scheduler
+                initialize_statistics(self.opt, self.average_opt_statistics)
             averaged = AveragedTensors(self._inner, self.average_opt_statistics, self._extra)
             scheduler = (
                 scheduler(self.opt)

@@ -27,6 +27,7 @@ from kit.averaging.allreduce import cancel_and_wait
 from kit.dht.node import DHTNode, get_dht_time
 from kit.dht.validation import Ed25519SignatureValidator
 from kit.errors import ConfigError, KitError, TransientError
+from kit.optim.splits import ROUND_HISTORY, RoundTag
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class LocalProgress:
     client_mode: bool
     auxiliary: bool = False
     drifted: bool = False  # its parameters may differ from the others': it asks for state averaging
+    rounds: tuple[RoundTag, ...] = ()  # its last gradient rounds (kit.optim.splits)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -59,6 +61,7 @@ class LocalProgress:
             "client_mode": self.client_mode,
             "auxiliary": self.auxiliary,
             "drifted": self.drifted,
+            "rounds": [tag.to_wire() for tag in self.rounds],
         }
 
     @classmethod
@@ -74,6 +77,7 @@ class LocalProgress:
                 client_mode=bool(body["client_mode"]),
                 auxiliary=bool(body.get("auxiliary", False)),
                 drifted=bool(body.get("drifted", False)),
+                rounds=_round_tags(body.get("rounds", [])),
             )
         except (KeyError, TypeError, ValueError):
             logger.debug("ignoring a malformed progress record: %.200r", body)
@@ -87,6 +91,12 @@ class LocalProgress:
         ):
             return None
         return record
+
+
+def _round_tags(body: Any) -> tuple[RoundTag, ...]:
+    if not isinstance(body, list | tuple) or len(body) > ROUND_HISTORY:
+        raise ValueError(f"rounds: a list of at most {ROUND_HISTORY} tags")
+    return tuple(RoundTag.from_wire(tag) for tag in body)
 
 
 @dataclass(frozen=True)
@@ -232,6 +242,7 @@ class ProgressTracker:
         self._subkey = self._validator.local_owner
         self._peer_id = node.peer_id.to_bytes()
         self.drifted = False
+        self.round_tags: tuple[RoundTag, ...] = ()  # our last gradient rounds, published
         self.local = LocalProgress(self._peer_id, 0, 0, 0.0, get_dht_time(), client_mode, auxiliary)
         self._others: list[LocalProgress] = []  # other peers' records, as last fetched
         self._others_samples: dict[int, int] = {}  # their reported samples, by epoch
@@ -281,6 +292,7 @@ class ProgressTracker:
             self.client_mode,
             self.auxiliary,
             self.drifted,
+            self.round_tags,
         )
         others = self._others_samples.get(epoch, 0)
         reaches_target = (
@@ -300,6 +312,16 @@ class ProgressTracker:
             self.drifted = drifted
             self.local = dataclasses.replace(self.local, drifted=drifted)
             self._wake_soon()
+
+    def add_round(self, tag: RoundTag) -> None:
+        """Tell the others which group our last gradient round had (published now)."""
+        self.round_tags = (*self.round_tags, tag)[-ROUND_HISTORY:]
+        self.local = dataclasses.replace(self.local, rounds=self.round_tags)
+        self._wake_soon()
+
+    def others_round_tags(self) -> list[tuple[bytes, tuple[RoundTag, ...]]]:
+        """The other peers' last gradient rounds, as last fetched: (peer id, tags)."""
+        return [(r.peer_id, r.rounds) for r in self._others if r.rounds]
 
     def _wake_soon(self, delay: float = 0.0) -> None:
         """Wake the publishing task (now, or after ``delay`` s) from any thread.

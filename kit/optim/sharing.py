@@ -54,12 +54,14 @@ def start_download(
     only_if_running: bool = False,
     only_if_shared: bool = False,
     min_epoch: int = 0,
+    only_from: frozenset[bytes] | None = None,
 ) -> SnapshotFuture:
     """Start downloading the newest state of ``run_id`` from peers (on the runtime loop).
 
     ``only_if_running``: None at once if no peer advertises a state past epoch 0.
     ``only_if_shared``: None at once if no other peer advertises a state at all.
     ``min_epoch``: wait (until the timeout, then None) for a donor at this epoch or later.
+    ``only_from``: ask only these peers (ids), e.g. the group a split round must copy.
     """
 
     async def fetch(_: Any, node: Any) -> StateSnapshot | None:
@@ -70,6 +72,8 @@ def start_download(
         failures = 0
         while True:
             donors = await find_donors(node, node.peer, run_id)
+            if only_from is not None:
+                donors = [d for d in donors if d.peer_id.to_bytes() in only_from]
             if only_if_running and not any(d.epoch > 0 for d in donors):
                 return None
             if only_if_shared and not donors:
@@ -171,12 +175,15 @@ class StateSharing:
     def refreshing(self) -> bool:
         return self._refresh is not None
 
-    def start_refresh(self, min_epoch: int) -> None:
-        """Download a state of ``min_epoch`` or newer in the background; keep our parameters now
-        (the base of a delta, should we step on while it travels)."""
+    def start_refresh(self, min_epoch: int, donors: frozenset[bytes] | None = None) -> None:
+        """Download a state of ``min_epoch`` or newer in the background (``donors``: only from
+        these peers); keep our parameters now (the base of a delta, should we step on while it
+        travels)."""
         self._refresh_base = [p.detach().float().cpu().clone() for p in self.inner.params]
         timeout = min(CATCH_UP_TIMEOUT, self.load_state_timeout)
-        self._refresh = start_download(self.dht, self.run_id, timeout, min_epoch=min_epoch)
+        self._refresh = start_download(
+            self.dht, self.run_id, timeout, min_epoch=min_epoch, only_from=donors
+        )
 
     def refresh_landed(self) -> tuple[bool, StateSnapshot | None]:
         """(landed, state): whether the refresh ended (None: no state, or it failed)."""

@@ -48,6 +48,7 @@ import torch
 
 from kit.averaging.averager import DecentralizedAverager, RoundResult
 from kit.averaging.compression import TensorRole
+from kit.averaging.control import StepControl
 from kit.errors import AveragingFailed, ConfigError
 from kit.optim.stepping import InnerOptimizer
 
@@ -77,6 +78,33 @@ def state_averaging_needed(
     if local_updates or drifted or others_drifted:
         return True
     return epoch % (every * SAFETY_PERIOD) == 0
+
+
+#: Per-parameter float32 statistics of optimizers whose state kit knows: torch's Adam family;
+#: an optimizer class may name its own in an ``averaged_statistics`` attribute (kit's LAMB does).
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+ADAM_FAMILY = (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam)
+
+
+def default_statistics(opt: torch.optim.Optimizer) -> tuple[str, ...]:
+    """``average_opt_statistics=None``: the statistics of ``opt`` averaged with the parameters
+    (Adam's and LAMB's two moments; none for an optimizer kit does not know).
+
+    Why by default: a peer whose gradient round failed or split stepped with other gradients, so
+    its optimizer statistics differ from the others' as well as its parameters. Averaging the
+    parameters alone brings them together for one step; the next steps, the same gradient
+    through different Adam moments, part them again (seen in tests/netsim/test_churn.py: peers
+    ~1e-3 apart 160 epochs later, every round full). Averaged together, they stay together. The
+    cost: parameter rounds (only when some peer drifted) carry those tensors too, and the
+    averager keeps float32 copies of them. Only known optimizers: their state is created by one
+    step on zero gradients (``initialize_statistics``), which another optimizer's ``step`` might
+    count or log. The averaged tensors must be the same on every peer: pass
+    ``average_opt_statistics=()`` where peers of one run keep different kinds (8-bit ones).
+    """
+    names = getattr(type(opt), "averaged_statistics", None)
+    if names is not None:
+        return tuple(names)
+    return ADAM_MOMENTS if isinstance(opt, ADAM_FAMILY) else ()
 
 
 def initialize_statistics(opt: torch.optim.Optimizer, names: Sequence[str]) -> None:
@@ -228,6 +256,28 @@ class DelayedStateAveraging:
         future = self.averager.step(weight=1.0, timeout=timeout, wait=False)
         assert isinstance(future, concurrent.futures.Future)  # a StepControl
         self._future = future
+
+    def give_up_search(self) -> bool:
+        """Drop the running round if it is still looking for a group (nobody counts on this peer
+        yet); True if no round runs now.
+
+        Why: a round of an older epoch that found nobody keeps searching for its whole window
+        (several epochs), and meanwhile this peer skips the rounds the others do hold. Seen in
+        tests/netsim/test_churn.py: a joiner's lone round at epoch 3 timed out at epoch 6, its
+        next at 7 at 10, ... while the three others averaged at 4, 6, 8, ... without it; their
+        rounds were never complete (3 of 4 expected), so they went on forever, out of phase, and
+        the joiner's parameters stayed apart from theirs.
+        """
+        future = self._future
+        if future is None:
+            return True
+        if not isinstance(future, StepControl) or not self.averager.give_up_search(future):
+            return False
+        logger.debug("parameter round of epoch %d: given up (still no group)", self.epoch)
+        self._future = None
+        self._snapshot = []
+        self._forgotten = self.rebased = False
+        return True
 
     def finish(self, wait: float | None = 0.0) -> tuple[bool, RoundResult | None]:
         """Apply the round if it is over (waiting at most ``wait`` s; None: until it is).

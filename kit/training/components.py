@@ -220,6 +220,9 @@ def build_collaborative_optimizer(
         target_group_size=collab.target_group_size,
         load_state_timeout=collab.load_state_timeout,
         average_state_every=collab.average_state_every,
+        # Peers of one run may keep 8-bit statistics (lamb8bit) or 32-bit ones: what the
+        # parameter rounds average must be the same on every peer, so the parameters only.
+        average_opt_statistics=(),
         client_mode=client_mode,
         auxiliary=auxiliary,
         grad_compression=codec(collab.grad_compression, collab.size_adaptive_threshold),

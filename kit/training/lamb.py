@@ -119,6 +119,8 @@ class Lamb(torch.optim.Optimizer):
             update (TTT: 4.0); None = no clipping here.
     """
 
+    averaged_statistics = ("exp_avg", "exp_avg_sq")  # kit.Optimizer's parameter rounds average them
+
     def __init__(
         self,
         params: Iterable[Any],

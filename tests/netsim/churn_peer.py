@@ -9,7 +9,9 @@ Peers meet through files in a shared run directory (namespaces share the file sy
 * the bootstrap peer (``--bootstrap``) writes its DHT address to ``bootstrap.addr``; the others
   read it, join and download the collaboration's state;
 * after every local step a peer appends ``<time.time()> <local_epoch>`` to ``peer<i>.events``
-  (flushed, so a SIGKILLed peer leaves every line it wrote);
+  (flushed, so a SIGKILLed peer leaves every line it wrote), and whenever its epoch changed,
+  ``<local_epoch> <crc32 of its parameters>`` to ``peer<i>.params`` (where peers parted, when
+  they end apart: ``test_churn.first_parting``);
 * the driver writes ``final_epoch``: a peer trains until its local epoch reaches it, then only
   calls ``step(batch_size=0)`` (applying background work, adding no samples) until ``release``
   appears, then writes its parameters (``peer<i>.final.npy``, float32, no pickle) and epoch
@@ -27,6 +29,7 @@ import logging
 import os
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +55,10 @@ def make_model() -> torch.nn.Module:
 
 def flat_parameters(model: torch.nn.Module) -> np.ndarray:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+
+
+def parameters_digest(model: torch.nn.Module) -> str:
+    return f"{zlib.crc32(flat_parameters(model).tobytes()):08x}"
 
 
 def read_int(path: Path) -> int | None:
@@ -124,7 +131,17 @@ def main() -> int:
         opt.load_state_from_peers(timeout=60)  # join at the collaboration's epoch
 
     events = open(run_dir / f"peer{args.index}.events", "a", buffering=1)  # noqa: SIM115
-    events.write(f"{time.time():.3f} {opt.local_epoch}\n")
+    digests = open(run_dir / f"peer{args.index}.params", "a", buffering=1)  # noqa: SIM115
+    recorded_epoch = None
+
+    def record() -> None:
+        nonlocal recorded_epoch
+        events.write(f"{time.time():.3f} {opt.local_epoch}\n")
+        if opt.local_epoch != recorded_epoch:
+            recorded_epoch = opt.local_epoch
+            digests.write(f"{opt.local_epoch} {parameters_digest(model)}\n")
+
+    record()
     data = torch.Generator().manual_seed(10_000 + args.index)
     final_epoch_file, release_file = run_dir / "final_epoch", run_dir / "release"
     last_loss = float("nan")
@@ -143,7 +160,7 @@ def main() -> int:
             last_loss = float(loss.detach())
             opt.step(batch_size=len(inputs))
             opt.zero_grad()
-            events.write(f"{time.time():.3f} {opt.local_epoch}\n")
+            record()
             time.sleep(args.compute_seconds)  # a real GPU step takes time; keeps the CPU free
         # Hold at the final epoch: no samples, but background work still applies.
         settle_until = None
@@ -154,7 +171,7 @@ def main() -> int:
             if settle_until is None and release_file.exists():
                 settle_until = time.monotonic() + SETTLE_SECONDS
             opt.step(batch_size=0)
-            events.write(f"{time.time():.3f} {opt.local_epoch}\n")
+            record()
             time.sleep(0.1)
         np.save(run_dir / f"peer{args.index}.final.npy", flat_parameters(model))
         relay = dht.node.peer.relay_service  # bytes it carried between client-mode peers
@@ -169,6 +186,7 @@ def main() -> int:
         )
     finally:
         events.close()
+        digests.close()
         opt.shutdown()
         dht.shutdown()
     return 0

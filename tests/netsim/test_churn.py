@@ -17,7 +17,7 @@ stops, the survivors are brought to one final epoch, stopped gracefully, and the
 
 The scenario needs root, iproute2 and nftables (marker ``netns``); it is skipped elsewhere.
 ``KIT_CHURN_SECONDS`` shortens the churn for local iterations (default 180 s); ``KIT_CHURN_KEEP=dir``
-keeps the run's event logs, peer logs and final parameters there; ``KIT_CHURN_LOG=DEBUG`` makes the
+keeps the run's event logs, peer logs, parameter digests and final parameters there; ``KIT_CHURN_LOG=DEBUG`` makes the
 peers log kit.optim's rounds.
 """
 
@@ -116,6 +116,21 @@ def read_events(path: Path) -> list[tuple[float, int]]:
         if len(parts) == 2:  # a SIGKILL may cut the last line short
             rows.append((float(parts[0]), int(parts[1])))
     return rows
+
+
+def partings(run_dir: Path, peers: list[int]) -> list[tuple[int, dict[str, list[int]]]]:
+    """Epochs at which ``peers`` held different parameters when they reached them (from the
+    ``peer<i>.params`` digests: the parameters right after the step into that epoch), with which
+    peers held which digest. Epochs with a parameter round may show a passing difference (its
+    delta lands later); a difference that stays points at the round that made it."""
+    held: dict[int, dict[str, list[int]]] = {}
+    for index in peers:
+        path = run_dir / f"peer{index}.params"
+        for line in path.read_text().splitlines() if path.exists() else []:
+            parts = line.split()
+            if len(parts) == 2:  # (a SIGKILL may cut the last line short)
+                held.setdefault(int(parts[0]), {}).setdefault(parts[1], []).append(index)
+    return [(epoch, held[epoch]) for epoch in sorted(held) if len(held[epoch]) > 1]
 
 
 @dataclass
@@ -299,7 +314,8 @@ def test_training_survives_churn(tmp_path: Path) -> None:
     assert {f["epoch"] for f in finals.values()} == {final_epoch}, finals
     scale = float(np.abs(params[0]).max())
     differences = {i: float(np.abs(params[i] - params[0]).max()) for i in survivors}
-    assert spread <= 1e-6 * scale, (differences, scale, logs)
+    parted = partings(tmp_path, sorted(churn.processes))[-10:]
+    assert spread <= 1e-6 * scale, (differences, scale, f"parted at epochs {parted}", logs)
     # (4) progress, and (1) no stall
     assert steps >= min_steps(CHURN_SECONDS), summary
     assert longest <= 2 * median + STALL_ALLOWANCE_SECONDS, (summary, rises)

@@ -16,8 +16,8 @@ from kit.averaging.control import StepControl
 class Result:
     """A round's result as kit.optim reads it: its group's size and whether it is full."""
 
-    def __init__(self, size: int, is_full: bool = True) -> None:
-        self.size, self.is_full = size, is_full
+    def __init__(self, size: int, is_full: bool = True, group_id: bytes = b"group-of-3") -> None:
+        self.size, self.is_full, self.group_id = size, is_full, group_id
         self.unaveraged_parts = () if is_full else (1,)
         self.matchmaking_time = self.allreduce_time = 0.0
 

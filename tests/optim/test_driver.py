@@ -18,7 +18,8 @@ from kit.optim.driver import EpochDriver
 from kit.optim.epoch_actions import DropAccumulated, FlagDrift, Publish, StartRefresh
 from kit.optim.epochs import EpochLife, Phase, Refresh, Report, Sync
 from kit.optim.progress import GlobalProgress, PerformanceEMA
-from kit.optim.rounds import RoundOutcome
+from kit.optim.rounds import RoundOutcome, group_bits
+from kit.optim.splits import ROUND_HISTORY, RoundTag
 from kit.optim.state import StateSnapshot
 from kit.optim.state_averaging import AveragedTensors, DelayedStateAveraging
 from kit.optim.stepping import InnerOptimizer
@@ -37,6 +38,10 @@ class Tracker:
         self.others_at = 0  # other peers at any epoch asked about
         self.reports: list[tuple[int, int]] = []
         self.drift_flags: list[bool] = []
+        self.others_drift = False  # what others_drifted says
+        self.round_tags: tuple[RoundTag, ...] = ()  # ours, as the driver tagged them
+        self.others_tags: list[tuple[bytes, tuple[RoundTag, ...]]] = []  # the others', "fetched"
+        self.fetched_at = 0.0
         self.performance_ema = PerformanceEMA()
 
     @property
@@ -57,10 +62,16 @@ class Tracker:
         return self.others_at
 
     def others_drifted(self, epoch: int) -> bool:
-        return False
+        return self.others_drift
 
     def peers_at_epoch(self, epoch: int, *, with_samples: bool = False) -> int:
         return self.peers
+
+    def add_round(self, tag: RoundTag) -> None:
+        self.round_tags = (*self.round_tags, tag)[-ROUND_HISTORY:]
+
+    def others_round_tags(self) -> list[tuple[bytes, tuple[RoundTag, ...]]]:
+        return self.others_tags
 
 
 class Rounds:
@@ -109,8 +120,9 @@ class Sharing:
     def cancel_prefetch(self) -> None:
         self.calls.append("cancel prefetch")
 
-    def start_refresh(self, min_epoch: int) -> None:
+    def start_refresh(self, min_epoch: int, donors: frozenset[bytes] | None = None) -> None:
         self.calls.append(f"refresh from {min_epoch}")
+        self.refresh_donors = donors
         self.refreshing = True
 
     def refresh_landed(self) -> tuple[bool, StateSnapshot | None]:
@@ -144,6 +156,10 @@ class StateRound:
         self.started.append(expected)
         self.running = True
         self.epoch = epoch
+
+    def give_up_search(self) -> bool:
+        self.running = False  # (still looking for its group)
+        return True
 
     @property
     def moves_parameters(self) -> bool:
@@ -244,6 +260,34 @@ def test_a_global_step_averages_steps_and_reports_the_next_epoch() -> None:
     for old, new in zip(before, driver.inner.params, strict=True):
         torch.testing.assert_close(new.detach(), old - 0.5)
     assert tracker.reports[-1] == (1, 0) and sharing.published[-1] == (1, False)
+
+
+@pytest.mark.parametrize("case", ["lost", "won", "partial", "refreshing"])
+def test_a_round_that_split_from_a_larger_group_copies_that_groups_state(case: str) -> None:
+    # The churn test's split (kit.optim.splits): four peers averaged 2 + 2 at epoch 0, each
+    # pair full and exact, and parted for good (Adam's statistics differed too).
+    driver, tracker, rounds, sharing, _ = make_driver()
+    rounds.result = Result(2, is_full=case != "partial", group_id=b"pair-B-of-epoch-0")
+    backward(driver)
+    tracker.samples = 64
+    driver.step(64, None)
+    tracker.samples = 0
+    ours = RoundTag(0, b"pair-B-o", 2)
+    assert tracker.round_tags == (() if case == "partial" else (ours,))
+    other = (b"pair-A-o" if case == "lost" else b"pair-C-o", 2)
+    tracker.others_tags = [(b"p%d" % i, (RoundTag(0, *other),)) for i in (1, 2)]
+    if case == "refreshing":  # a catch-up under way: the split waits for it to land
+        driver.act(driver.life.fast_forward(1))
+    calls = list(sharing.calls)
+    driver.step(8, None)  # a fresh look at the records
+    if case != "lost":
+        assert sharing.calls == calls and getattr(sharing, "refresh_donors", None) is None
+        return
+    assert sharing.calls == [*calls, "refresh from 1"] and driver.life.drifted
+    assert sharing.refresh_donors == {b"p1", b"p2"} and tracker.drift_flags[-1] is True
+    tracker.fetched_at += 1.0
+    driver.step(8, None)  # once only
+    assert sharing.calls == [*calls, "refresh from 1"]
 
 
 def test_a_failed_round_holds_the_report_then_refreshes() -> None:
@@ -417,6 +461,48 @@ def test_a_parameter_round_without_a_group_serves_the_state_settled() -> None:
     land(averager, buffers, None)
     driver.step(0, None)
     assert sharing.published[-1] == (1, True) and sharing.averaging_rounds[-1] is None
+
+
+@pytest.mark.parametrize(("searching", "rebased"), [(True, False), (True, True), (False, False)])
+def test_a_due_parameter_round_replaces_an_older_one_still_looking_for_its_group(
+    searching: bool, rebased: bool
+) -> None:
+    # The churn test's livelock (tests/netsim/test_churn.py): a joiner's lone round of epoch 3
+    # searched until epoch 6, so it skipped the round of epoch 4 the three others held; they,
+    # never complete (3 of 4 expected), went on at 6, 8, ... and the joiner, at 7, 11, ...,
+    # always out of phase: its parameters stayed apart for good.
+    driver, tracker, _, sharing, _ = make_driver()
+    averager, buffers = with_real_parameter_rounds(driver)
+    drifted_global_step(driver, tracker)  # epoch 1's round: nobody came yet
+    if rebased:  # we loaded a state whose donor averages in that round
+        state = {"epoch": 1, "averaging_round": 1}
+        driver.load(StateSnapshot.capture(1, state, digest=False), keep_accumulated=True)
+        assert driver.state_round.rebased and not driver.life.drifted
+        tracker.others_drift = True  # (so epoch 2's round is due)
+    averager.is_looking_for_group = searching
+    before = [p.detach().clone() for p in driver.inner.params]
+    backward(driver)
+    tracker.samples = 64
+    driver.step(64, None)  # epoch 2: its round is due (still drifted)
+    tracker.samples = 0
+    assert driver.life.epoch == 2 and driver.state_round.running
+    if searching:  # given up: epoch 2's round runs instead, nothing of epoch 1's lands
+        assert averager.steps[0].cancelled() and averager.bits[-1] == group_bits(2)
+        assert len(averager.steps) == 2 and driver.state_round.epoch == 2
+        assert driver.life.drifted  # (rebased: that round moves its donor without us)
+        assert tracker.drift_flags[-1]
+        land(averager, buffers, 3.0)
+        driver.step(0, None)
+        for param in driver.inner.params:  # (3 - snapshot + snapshot: rounded)
+            torch.testing.assert_close(param.detach(), torch.full_like(param, 3.0))
+        assert not driver.life.drifted  # complete, with everyone: in sync again
+    else:  # its group formed: it lands first, and epoch 2's round is skipped
+        assert len(averager.steps) == 1 and not averager.steps[0].cancelled()
+        land(averager, buffers, 3.0)
+        driver.step(0, None)
+        assert not driver.state_round.running
+        moved = [p - b for p, b in zip(driver.inner.params, before, strict=True)]
+        assert all(torch.all(m != 0) for m in moved)  # the delta of epoch 1's round landed
 
 
 @pytest.mark.parametrize(

@@ -479,3 +479,17 @@ def test_the_core_does_no_io_and_reads_no_clock(module: types.ModuleType) -> Non
     }
     imported |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert imported <= {"__future__", "dataclasses", "enum", "kit.optim.epoch_actions"}
+
+
+def test_a_lost_split_flags_drift_and_copies_the_winners_even_on_retries() -> None:
+    life = joined_at(5)
+    donors = frozenset({b"p1", b"p2"})
+    assert life.lost_split(donors) == [FlagDrift(True), StartRefresh(5, donors)]
+    assert life.refresh is Refresh.DOWNLOADING and life.drifted
+    with pytest.raises(AssertionError):
+        life.lost_split(donors)  # the driver waits for the download under way
+    life.epoch = 6  # we stepped on while it travelled: a delta, then again from them
+    assert life.refresh_landed(5) == [AddRefreshDelta(), StartRefresh(6, donors)]
+    assert life.refresh_landed(6) == [LoadRefresh(keep_accumulated=True)]
+    actions = life.fast_forward(9)  # a later catch-up, for another reason: from anyone
+    assert StartRefresh(9) in actions and life.refresh_donors is None

@@ -152,6 +152,38 @@ def divergence(tmp_path: Path, reports: dict[int, Any], a: int, b: int) -> str:
     return "\n".join(lines)
 
 
+def test_parameter_rounds_average_adams_moments_unless_told_otherwise() -> None:
+    """A peer pulled back by a parameter round must step like the others again: with Adam's
+    moments left apart, the same gradient moved it elsewhere (kit.optim.splits says when)."""
+    with kit.DHT(host="127.0.0.1", client_mode=False) as dht:
+        chosen = {}
+        for name, options in {
+            "default": {},
+            "local updates": {"use_local_updates": True},
+            "hivemind's": {"average_opt_statistics": ()},
+        }.items():
+            model = make_model()
+            opt = kit.Optimizer(
+                dht=dht,
+                run_id=f"moments-{len(chosen)}",
+                target_batch_size=8,
+                optimizer=lambda p: torch.optim.Adam(p, lr=0.1),
+                params=model.parameters(),
+                **options,  # type: ignore[arg-type]
+            )
+            try:
+                chosen[name] = opt.average_opt_statistics
+                state = opt.opt.state[next(iter(opt.opt.state))] if opt.opt.state else {}
+                assert all(torch.count_nonzero(state[n]) == 0 for n in chosen[name])
+            finally:
+                opt.shutdown()
+    assert chosen == {
+        "default": ("exp_avg", "exp_avg_sq"),
+        "local updates": (),
+        "hivemind's": (),
+    }
+
+
 def test_bad_arguments_fail_at_construction() -> None:
     model = make_model()
     with kit.DHT(host="127.0.0.1", client_mode=False) as dht:

@@ -15,6 +15,7 @@ import pytest
 
 import kit
 from kit.optim.progress import LocalProgress, PerformanceEMA, ProgressTracker, aggregate
+from kit.optim.splits import ROUND_HISTORY, RoundTag
 from kit.runtime import Runtime
 
 
@@ -159,6 +160,35 @@ def test_samples_that_reach_the_target_are_published_at_once(dhts) -> None:
         ours.report_local_progress(0, 1000)  # reaches it: the others must know now
         time.sleep(0.3)
         assert seen_by(second, theirs, within=0.0) == [(0, 1000)]
+    finally:
+        stop(first, ours)
+        stop(second, theirs)
+
+
+def test_a_record_carries_its_round_tags_and_a_malformed_list_drops_the_record() -> None:
+    tag = RoundTag(4, b"\x07" * 8, 3)
+    record = LocalProgress(b"p", 5, 0, 1.0, 10.0, False, rounds=(tag,))
+    assert LocalProgress.from_dict(record.to_dict()) == record
+    body = record.to_dict()
+    del body["rounds"]  # an older peer's record
+    assert LocalProgress.from_dict(body) == LocalProgress(b"p", 5, 0, 1.0, 10.0, False)
+    for bad in ("nope", [[4, b"x"]], [tag.to_wire()] * (ROUND_HISTORY + 1), [[4, b"", 3]]):
+        assert LocalProgress.from_dict({**body, "rounds": bad}) is None
+
+
+@pytest.mark.sockets
+def test_round_tags_reach_the_others_at_once_and_only_the_last_are_kept(dhts) -> None:
+    first, second = dhts
+    ours, theirs = tracker(first, **SLOW_REFRESH), tracker(second, **SLOW_REFRESH)
+    try:
+        assert seen_by(second, theirs, within=5.0) == [(0, 0)]
+        for epoch in range(ROUND_HISTORY + 2):
+            ours.add_round(RoundTag(epoch, b"g%d" % epoch, 2))
+        assert [t.epoch for t in ours.round_tags] == list(range(2, ROUND_HISTORY + 2))
+        ours.report_local_progress(1, 0)  # a new report keeps them
+        time.sleep(0.3)
+        seen_by(second, theirs, within=0.0)
+        assert theirs.others_round_tags() == [(first.peer_id.to_bytes(), ours.round_tags)]
     finally:
         stop(first, ours)
         stop(second, theirs)

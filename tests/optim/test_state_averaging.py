@@ -11,8 +11,14 @@ from typing import Any
 import torch
 
 from kit.errors import AveragingFailed
-from kit.optim.state_averaging import AveragedTensors, DelayedStateAveraging, initialize_statistics
+from kit.optim.state_averaging import (
+    AveragedTensors,
+    DelayedStateAveraging,
+    default_statistics,
+    initialize_statistics,
+)
 from kit.optim.stepping import InnerOptimizer
+from kit.training.lamb import Lamb
 from tests.optim.recorders import Averager, Result
 
 
@@ -102,3 +108,36 @@ def test_a_rebased_round_takes_its_delta_from_the_loaded_tensors() -> None:
     averager.steps[0].set_result(Result(2))
     assert rounds.finish(wait=0.0)[1] is not None and not rounds.rebased
     torch.testing.assert_close(applied[0][0], torch.full((2,), -4.0))  # 3 - 7, not 3 - 1
+
+
+def test_a_round_still_looking_for_its_group_can_be_given_up() -> None:
+    buffers = [torch.zeros(2)]
+    averager = Averager(buffers)
+    applied: list[Any] = []
+    rounds = DelayedStateAveraging(averager, applied.append)  # type: ignore[arg-type]
+    assert rounds.give_up_search()  # nothing running
+    rounds.start([torch.ones(2)], "0", expected=2, timeout=5.0, epoch=3)
+    rounds.rebase([torch.ones(2)])
+    assert rounds.give_up_search()
+    assert averager.steps[0].cancelled() and not rounds.running and not rounds.rebased
+    assert rounds.finish(wait=0.0) == (True, None) and applied == []
+    rounds.start([torch.ones(2)], "0", expected=2, timeout=5.0, epoch=4)
+    averager.is_looking_for_group = False  # its group formed: members count on it
+    assert not rounds.give_up_search() and rounds.running
+    buffers[0].fill_(2.0)
+    averager.steps[1].set_result(Result(2))
+    assert rounds.finish(wait=0.0)[1] is not None
+    torch.testing.assert_close(applied[0][0], torch.ones(2))
+
+
+def test_by_default_adam_and_lamb_average_their_moments_and_others_nothing() -> None:
+    net = torch.nn.Linear(2, 2)
+    for factory in (torch.optim.Adam, torch.optim.AdamW, Lamb):
+        assert default_statistics(factory(net.parameters())) == ("exp_avg", "exp_avg_sq")
+
+    class Counting(torch.optim.SGD):  # a user's optimizer: its step is not called for this
+        def step(self, closure: Any = None) -> Any:
+            raise AssertionError("stepped")
+
+    assert default_statistics(Counting(net.parameters(), lr=0.1, momentum=0.9)) == ()
+    assert default_statistics(torch.optim.SGD(net.parameters(), lr=0.1)) == ()
