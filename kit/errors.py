@@ -304,8 +304,9 @@ class InvalidChunk(RemoteProtocolError):
     """A sender's chunk of an all-reduce part was rejected; ``reason`` names the failed check.
 
     Reasons: ``sender`` (unknown or excluded), ``round``, ``part``, ``order`` (duplicate or gap),
-    ``size``, ``dtype``, ``non_finite``. For the last three the chunk is averaged without this
-    sender, and ``completed`` lists the chunks that became complete by that.
+    ``size``, ``dtype``. For the last two the chunk is averaged without this sender, and
+    ``completed`` lists the chunks that became complete by that. (NaN/inf values are not
+    refused here: the reducer leaves them out of the average, ``kit.averaging.reducer``.)
     """
 
     def __init__(self, reason: str, message: str, completed: tuple[int, ...] = ()) -> None:

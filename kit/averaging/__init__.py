@@ -6,7 +6,9 @@ Pure cores (no networking, no clocks), in dependency order:
     compression.py         codecs with hivemind's wire ids and byte layouts, validated on receipt
     adaptive_compression.py  codecs that pick one of those per tensor: by size, role or key
     balancing.py           which share of the vector each peer aggregates (DeDLOC's LP)
-    partition.py           tensors -> parts -> chunks, the aggregator's reducer, the round report
+    widening.py            float16 operands summed in float32, a cache-sized slice at a time
+    partition.py           tensors -> parts -> chunks, the round report
+    reducer.py             the aggregator's running average; NaN/inf found once a chunk completes
     declarations.py        what matchmaking peers tell each other; the state machine's actions
     chunking.py            ranks and chunks of looking peers, whom each one asks to lead
     matchmaking.py         who averages with whom: the group-assembly state machine

@@ -60,7 +60,8 @@ from kit.averaging.chunk_stream import (
 )
 from kit.averaging.compression import CompressionBase
 from kit.averaging.group import GroupInfo
-from kit.averaging.partition import ChunkSpec, PartitionPlan, PartReducer, PartReport, RoundReport
+from kit.averaging.partition import ChunkSpec, PartitionPlan, PartReport, RoundReport
+from kit.averaging.reducer import PartReducer
 from kit.averaging.robust import Aggregation, ClippedPartReducer
 from kit.averaging.round_tasks import RoundTasks, Timeouts
 from kit.averaging.sender_side import SenderSide
@@ -122,10 +123,19 @@ class AllReduceRunner:
         if plan.part_sizes[me] > 0:
             senders = {group.peers[i]: group.weights[i] for i in group.senders}
             if aggregation is not None and aggregation.method == "centered_clip":
-                self.reducer = ClippedPartReducer(plan, me, senders, group.group_id, aggregation)
+                self.reducer = ClippedPartReducer(
+                    plan, me, senders, group.group_id, aggregation, self._non_finite
+                )
             else:
-                accumulator = buffers.accumulator_for(plan.part_sizes[me])
-                self.reducer = PartReducer(plan, me, senders, group.group_id, accumulator)
+                self.reducer = PartReducer(
+                    plan,
+                    me,
+                    senders,
+                    group.group_id,
+                    buffers.accumulator_for(plan.part_sizes[me]),
+                    on_non_finite=self._non_finite,
+                    local_sender=peer.peer_id,
+                )
         self.sender_bits = {group.peers[i]: 1 << i for i in group.senders}
         self.sender: SenderSide | None = None  # our vector's parts out, the averages staged
         if self.sends:
@@ -205,7 +215,7 @@ class AllReduceRunner:
         tasks, their callbacks) that only the cyclic GC frees, seldom, and the averages it
         staged are as large as the vector (measured: +40 MB a round per peer until a GC)."""
         if self.sender is not None:
-            self.sender.averages.clear()
+            self.sender.release()
         if self._averages is not None:
             self._averages.release()
 
@@ -262,7 +272,7 @@ class AllReduceRunner:
                     if averaged is not None:
                         target.copy_(averaged)
                 else:
-                    target.copy_(self.sender.staged(spec))
+                    self.sender.commit(target, spec)
 
     # --- aggregator side -----------------------------------------------------------------------
 
@@ -286,12 +296,7 @@ class AllReduceRunner:
         self._completed([c for c in range(len(reducer.chunks)) if reducer.is_complete(c)])
         if self.sends:
             for spec, view in self.plan.iter_part(self.tensors, self.me):
-                try:
-                    completed = reducer.accept(me, gid, self.me, spec.chunk_index, view)
-                except InvalidChunk as e:  # NaN/inf in our own tensor: averaged without us
-                    logger.warning("own chunk %d not averaged: %s", spec.chunk_index, e.message)
-                    completed = e.completed
-                self._completed(completed)
+                self._completed(reducer.accept(me, gid, self.me, spec.chunk_index, view))
                 await asyncio.sleep(0)  # let streams in (and parts out) while our part is summed
         while self._ready < self._part_chunks:
             try:
@@ -310,6 +315,17 @@ class AllReduceRunner:
         if self._writers:
             await asyncio.wait(list(self._writers), timeout=self.tasks.remaining())
         self.tasks.mark("own_all_sent")
+
+    def _non_finite(self, sender: PeerID, chunk: int) -> None:
+        """``sender``'s chunk of our part held NaN or inf: it was averaged without it."""
+        if sender == self.peer.peer_id:
+            logger.warning(
+                "own chunk %d of part %d not averaged: this peer's tensors hold NaN or inf",
+                chunk,
+                self.me,
+            )
+        else:
+            logger.info("chunk %d from %s left out: NaN or inf", chunk, sender.short())
 
     def _completed(self, chunks: Sequence[int]) -> None:
         """These chunks of our part are averaged: encode each once for every sender's stream."""
@@ -450,7 +466,7 @@ class AllReduceRunner:
                 self._averages.keep_sent(sender, chunk, sent)
             return completed
         except InvalidChunk as e:
-            if e.reason not in ("size", "dtype", "non_finite"):
+            if e.reason not in ("size", "dtype"):
                 raise  # out of order, or not a sender: the stream is broken
             logger.info("chunk from %s rejected: %s", sender.short(), e.message)
             return e.completed

@@ -37,8 +37,15 @@ from kit.averaging.compression import (
     extract,
     reused_empty,
 )
-from kit.averaging.partition import PartitionPlan, PartReducer
+from kit.averaging.partition import PartitionPlan
+from kit.averaging.reducer import PartReducer
+from kit.averaging.widening import add_widened
 from kit.errors import NonFiniteLocalTensor
+
+#: Raw values sent unchecked: for values already checked, or checked by whoever sums them
+#: (every aggregator checks what it adds, ``kit.averaging.reducer``): the same bytes as
+#: NoCompression's, without its pass over them.
+UNCHECKED_RAW = NoCompression(allow_non_finite=True)
 
 Encoded = tuple[bytes, memoryview | None]  # a chunk_head, then its payload (None: no payload)
 Sent = torch.Tensor | tuple[dict[str, Any], memoryview]  # a sender's chunk: values, or encoded
@@ -74,6 +81,14 @@ class OutgoingAverages:
         self.plan, self.reducer, self.compression = plan, reducer, compression
         self.sender_bits = sender_bits
         rounded = [not is_lossless(compression, plan.compression_info(c)) for c in reducer.chunks]
+        # float32 chunks of a plain NoCompression (any other codec sees every chunk, as in
+        # hivemind) whose reducer checked the average: sent as they are
+        self._checked = [
+            reducer.checks_averages
+            and type(compression) is NoCompression
+            and plan.tensors[c.tensor_index].dtype == torch.float32
+            for c in reducer.chunks
+        ]
         self.lossy = [deltas and r for r in rounded]  # chunks whose senders get their own delta
         # deltas=False: lossy chunks of the shared average; this peer keeps the decoded bytes
         # too, so every member of the round ends with the same values
@@ -131,7 +146,7 @@ class OutgoingAverages:
         if shared is not None:
             return shared
         sent = self._sent.pop((sender, chunk), None)
-        if sent is None:
+        if sent is None or sender not in self.reducer.delivered[chunk]:  # (NaN: left out)
             return self._encode(chunk, None)
         if not isinstance(sent, torch.Tensor):
             spec = self.reducer.chunks[chunk]
@@ -152,10 +167,12 @@ class OutgoingAverages:
         values = averaged
         if sent is not None:  # in float32 (float16 is widened exactly as it is subtracted)
             sent = sent if sent.dtype == torch.float16 else sent.float()
-            values = torch.sub(averaged, sent, out=reused_empty(spec.size, torch.float32))
+            values = reused_empty(spec.size, torch.float32)
+            add_widened(values, averaged, sent, alpha=-1.0)
         values = values if dtype == torch.float32 else values.to(dtype)
+        codec = UNCHECKED_RAW if sent is None and self._checked[chunk] else self.compression
         try:
-            serialized = self.compression.compress(values, self.plan.compression_info(spec))
+            serialized = codec.compress(values, self.plan.compression_info(spec))
         except NonFiniteLocalTensor:  # the weighted sum overflowed: nobody gets this chunk
             return chunk_head({"chunk": chunk, "peers": 0}), None
         header, payload = serialized.header(), memoryview(serialized.buffer).cast("B")

@@ -1,10 +1,10 @@
 """Bookkeeping of one butterfly all-reduce round: tensors -> parts -> chunks, and back.
 
-Holds ``PartitionPlan`` (which slice of which tensor each streamed chunk is), ``PartReducer``
-(an aggregator's weighted average of its part, chunk by chunk, with every incoming chunk
-checked), ``PartReport``/``RoundReport`` (exactly which chunks were averaged over which peers)
-and ``apply_averaged`` (the sender side: the average back into the local tensors). It is pure:
-no clocks, no networking, no codecs; the all-reduce drives it and decides deadlines and bans.
+Holds ``PartitionPlan`` (which slice of which tensor each streamed chunk is),
+``PartReport``/``RoundReport`` (exactly which chunks were averaged over which peers) and
+``apply_averaged`` (the sender side: the average back into the local tensors). It does not hold
+the aggregator's running average of its part (``kit.averaging.reducer``). It is pure: no clocks,
+no networking, no codecs; the all-reduce drives it and decides deadlines and bans.
 
 The averaged tensors are read as one flat vector (their concatenation, never materialised).
 Peer p aggregates the contiguous range ``part_sizes[p]`` of it (``kit.averaging.balancing``).
@@ -16,23 +16,12 @@ its own tensor's codec (as hivemind's ``TensorPartContainer``), and holds at mos
 from __future__ import annotations
 
 import dataclasses
-import logging
-import math
-import numbers
-from collections.abc import Hashable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Hashable, Iterator, Sequence
 
 import torch
 
-from kit.averaging.compression import (
-    CompressionBase,
-    CompressionInfo,
-    TensorDescriptor,
-    is_finite,
-)
-from kit.errors import ConfigError, InvalidChunk, KitUsageError
-
-logger = logging.getLogger(__name__)
+from kit.averaging.compression import CompressionBase, CompressionInfo, TensorDescriptor
+from kit.errors import ConfigError, KitUsageError
 
 DEFAULT_PART_SIZE_BYTES = 2**19  # hivemind's default: a chunk's size on the wire
 MAX_CHUNK_SCALE = 8  # a round's chunks hold at most this many times part_size_bytes
@@ -250,194 +239,6 @@ class RoundReport:
     def is_full(self) -> bool:
         """Every part got every sender: the result is the exact weighted average."""
         return all(part.complete for part in self.parts)
-
-
-class PartReducer:
-    """An aggregator's running weighted average of its own part, chunk by chunk.
-
-    Every sender streams the part's chunks in order; ``accept`` checks each chunk and adds
-    ``weight * values`` into a float32 accumulator (values of the tensor's dtype, or float16
-    values of a float tensor: the FLOAT16 codec's, summed as they arrived). A chunk is complete
-    once every sender delivered it, had it rejected, or was excluded; its average is then over
-    the senders that delivered it, with their weights renormalised. ``accept`` and ``exclude``
-    return the chunks they completed, so the averages can stream back while others are still
-    arriving.
-    """
-
-    def __init__(
-        self,
-        plan: PartitionPlan,
-        part_index: int,
-        senders: Mapping[Any, float],
-        round_id: Hashable,
-        accumulator: torch.Tensor | None = None,
-    ) -> None:
-        """Args:
-            plan: the round's plan (the same on every peer).
-            part_index: the part this peer aggregates.
-            senders: every peer expected to send this part, with its weight (e.g. samples).
-            round_id: what every chunk of this round carries (e.g. the group id).
-            accumulator: a float32 CPU buffer of at least the part's size to reuse (it is
-                zeroed); None allocates one.
-
-        Raises:
-            ConfigError: a weight is not a positive finite number.
-        """
-        for sender, weight in senders.items():
-            if not (
-                isinstance(weight, numbers.Real)
-                and not isinstance(weight, bool)
-                and 0 < weight < math.inf
-            ):
-                raise ConfigError(
-                    f"weight {weight!r} of sender {sender!r} must be positive and finite"
-                    " - help: weigh senders by their number of samples"
-                )
-        self.plan, self.part_index, self.round_id = plan, part_index, round_id
-        self.chunks = plan.parts[part_index]
-        self.weights = dict(senders)
-        size = plan.part_sizes[part_index]
-        if accumulator is None:
-            self.accumulator = torch.zeros(size, dtype=torch.float32)
-        elif (
-            accumulator.dtype != torch.float32 or accumulator.dim() != 1 or len(accumulator) < size
-        ):
-            raise KitUsageError(
-                "the accumulator must be a 1-D float32 tensor of at least the part's size"
-                " - help: pass None to allocate one"
-            )
-        else:  # not zeroed: a chunk's first contribution is written, not added (one pass less)
-            self.accumulator = accumulator[:size]
-        self.weight_sums = [0.0] * len(self.chunks)
-        self.delivered: list[set[Hashable]] = [set() for _ in self.chunks]
-        self.resolved = [0] * len(self.chunks)  # senders delivered, rejected or excluded
-        self.next_chunk = dict.fromkeys(senders, 0)  # per sender: the chunk expected next
-        self.excluded: set[Hashable] = set()
-        self._averaged: set[int] = set()
-
-    def accept(
-        self,
-        sender: Hashable,
-        round_id: Hashable,
-        part_index: int,
-        chunk_index: int,
-        values: torch.Tensor,
-    ) -> tuple[int, ...]:
-        """Add one chunk from ``sender``; return the chunk indices this completed.
-
-        Raises:
-            InvalidChunk: unknown or excluded sender, other round or part, a chunk out of order
-                (nothing changes); or wrong size, dtype, or NaN/inf values (the chunk is
-                dropped for this sender and the round goes on without it).
-        """
-        self._take_slot(sender, round_id, part_index, chunk_index)
-        spec = self.chunks[chunk_index]
-        dtype = self.plan.tensors[spec.tensor_index].dtype
-        problem = None
-        if not isinstance(values, torch.Tensor) or not (
-            values.dtype == dtype or (values.dtype == torch.float16 and dtype.is_floating_point)
-        ):
-            problem = ("dtype", f"is {getattr(values, 'dtype', type(values))}, not {dtype}")
-        elif values.dim() != 1 or values.numel() != spec.size:
-            problem = ("size", f"has shape {list(values.shape)}, not [{spec.size}]")
-        elif not is_finite(values):
-            problem = ("non_finite", "holds NaN or inf")
-        if problem is not None:  # the slot is used up: the chunk is averaged without this sender
-            # (the message is formatted only here: a PeerID's repr costs ~0.1 ms, once per chunk)
-            problem = (problem[0], f"chunk {chunk_index} from {sender!r} {problem[1]}")
-            logger.debug("part %d: dropping %s", self.part_index, problem[1])
-            raise InvalidChunk(*problem, completed=self._resolve(chunk_index))
-        weight = self.weights[sender]
-        total = self.accumulator[spec.part_offset : spec.part_offset + spec.size]
-        if self.delivered[chunk_index]:
-            total.add_(values.to("cpu"), alpha=weight)
-        elif values.dtype == torch.float32:  # the first contribution: written, not added
-            torch.mul(values.to("cpu"), weight, out=total)
-        else:  # (torch.mul would multiply in float16, then widen: widen first)
-            total.copy_(values.to("cpu")).mul_(weight)
-        self.weight_sums[chunk_index] += weight
-        self.delivered[chunk_index].add(sender)
-        return self._resolve(chunk_index)
-
-    def reject(
-        self, sender: Hashable, round_id: Hashable, part_index: int, chunk_index: int
-    ) -> tuple[int, ...]:
-        """Drop ``sender``'s chunk (it could not be decoded); return the chunks this completed.
-
-        The chunk is averaged without this sender, as for a chunk ``accept`` refuses.
-
-        Raises:
-            InvalidChunk: unknown or excluded sender, other round or part, out of order.
-        """
-        self._take_slot(sender, round_id, part_index, chunk_index)
-        return self._resolve(chunk_index)
-
-    def _take_slot(
-        self, sender: Hashable, round_id: Hashable, part_index: int, chunk_index: int
-    ) -> None:
-        if sender not in self.next_chunk or sender in self.excluded:
-            raise InvalidChunk(
-                "sender", f"{sender!r} is not an active sender of part {self.part_index}"
-            )
-        if round_id != self.round_id or part_index != self.part_index:
-            raise InvalidChunk(
-                "round" if round_id != self.round_id else "part",
-                f"{sender!r} sent round {round_id!r} part {part_index}, "
-                f"expected round {self.round_id!r} part {self.part_index}",
-            )
-        expected = self.next_chunk[sender]
-        if chunk_index != expected or chunk_index >= len(self.chunks):
-            raise InvalidChunk("order", f"{sender!r} sent chunk {chunk_index}, expected {expected}")
-        self.next_chunk[sender] += 1
-
-    def exclude(self, sender: Hashable) -> tuple[int, ...]:
-        """Stop waiting for ``sender`` (too slow, or banned); return the chunks this completed.
-
-        Chunks it already delivered stay in their averages; the rest are averaged without it.
-        """
-        if sender not in self.next_chunk or sender in self.excluded:
-            return ()
-        self.excluded.add(sender)
-        pending = range(self.next_chunk[sender], len(self.chunks))
-        return tuple(index for chunk in pending for index in self._resolve(chunk))
-
-    def finish(self) -> PartReport:
-        """The deadline passed: exclude every sender still owing chunks; report the part."""
-        for sender in list(self.next_chunk):
-            if self.next_chunk[sender] < len(self.chunks):
-                self.exclude(sender)
-        return self.report()
-
-    def _resolve(self, chunk_index: int) -> tuple[int, ...]:
-        self.resolved[chunk_index] += 1
-        return (chunk_index,) if self.resolved[chunk_index] == len(self.weights) else ()
-
-    def is_complete(self, chunk_index: int) -> bool:
-        return self.resolved[chunk_index] == len(self.weights)
-
-    def averaged(self, chunk_index: int) -> torch.Tensor | None:
-        """The weighted average of a complete chunk (float32), or None if nobody delivered it."""
-        if not self.is_complete(chunk_index):
-            raise KitUsageError(
-                f"chunk {chunk_index} is still waiting for senders"
-                " - help: read only the chunks that accept/exclude/finish report complete"
-            )
-        if not self.delivered[chunk_index]:
-            return None
-        spec = self.chunks[chunk_index]
-        view = self.accumulator[spec.part_offset : spec.part_offset + spec.size]
-        if chunk_index not in self._averaged:  # divide once, in place: no copy of the part
-            view.div_(self.weight_sums[chunk_index])
-            self._averaged.add(chunk_index)
-        return view
-
-    def report(self) -> PartReport:
-        """Which senders each chunk was averaged over (so far)."""
-        return PartReport(
-            self.part_index,
-            frozenset(self.weights),
-            tuple(frozenset(peers) for peers in self.delivered),
-        )
 
 
 def apply_averaged(

@@ -42,12 +42,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import torch
 
-from kit.averaging.partition import PartitionPlan, PartReducer
+from kit.averaging.partition import PartitionPlan
+from kit.averaging.reducer import PartReducer
 from kit.errors import ConfigError, KitUsageError, NothingToAggregate
 
 logger = logging.getLogger(__name__)
@@ -272,6 +273,8 @@ class ClippedPartReducer(PartReducer):
     when the last one completes.
     """
 
+    checks_averages = False  # CenteredClip's result is encoded with the codec's own check
+
     def __init__(
         self,
         plan: PartitionPlan,
@@ -279,11 +282,15 @@ class ClippedPartReducer(PartReducer):
         senders: Mapping[Any, float],
         round_id: Hashable,
         aggregation: Aggregation,
+        on_non_finite: Callable[[Any, int], None] | None = None,
     ) -> None:
         """Args: as ``PartReducer`` (a fresh accumulator: it may be written from a thread), and
-        ``aggregation``: tau, iterations and tolerance of CenteredClip.
+        ``aggregation``: tau, iterations and tolerance of CenteredClip. Every chunk is checked
+        as it arrives (it is kept in the rows, which must hold finite values only).
         """
-        super().__init__(plan, part_index, senders, round_id)
+        super().__init__(
+            plan, part_index, senders, round_id, on_non_finite=on_non_finite, max_kept_bytes=0
+        )
         self.aggregation = aggregation
         self.rows = torch.zeros(len(self.weights), plan.part_sizes[part_index])
         self.row_of = {sender: row for row, sender in enumerate(self.weights)}
@@ -300,8 +307,9 @@ class ClippedPartReducer(PartReducer):
         values: torch.Tensor,
     ) -> tuple[int, ...]:
         completed = super().accept(sender, round_id, part_index, chunk_index, values)
-        spec = self.chunks[chunk_index]  # checked by super(): size, dtype, finite
-        self.rows[self.row_of[sender], spec.part_offset : spec.part_offset + spec.size] = values
+        if sender in self.delivered[chunk_index]:  # checked by super(): size, dtype, finite
+            spec = self.chunks[chunk_index]
+            self.rows[self.row_of[sender], spec.part_offset : spec.part_offset + spec.size] = values
         return completed
 
     def _resolve(self, chunk_index: int) -> tuple[int, ...]:
@@ -310,6 +318,9 @@ class ClippedPartReducer(PartReducer):
             return ()
         self._released = True
         return tuple(range(len(self.chunks)))
+
+    def _settle(self, chunk_index: int) -> None:
+        pass  # the averages are CenteredClip's, computed once the whole part is in
 
     def compute(self) -> None:
         """Reduce every complete part with CenteredClip into the accumulator (call once)."""
@@ -325,7 +336,6 @@ class ClippedPartReducer(PartReducer):
                 spans.setdefault(frozenset(delivered), []).append(chunk)
         for senders, chunks in spans.items():
             self._reduce_span(sorted(senders, key=self.row_of.__getitem__), chunks)
-        self._averaged.update(range(len(self.chunks)))  # the base class must not divide these
         self.computed = True
 
     def _reduce_span(self, senders: list[Hashable], chunks: list[int]) -> None:

@@ -2,15 +2,16 @@
 
 Holds ``SenderSide``: for each other aggregator of the group, this peer opens one stream
 (``chunk_stream.PROTOCOL``), sends the round's header and then that part's chunks of its own
-vector in order, compressed, while it reads the averages coming back on the same stream. Each
-average is checked (the chunk expected, a peer set within the group's senders, finite values)
-and kept, staged, as the values the round writes into the tensors only when it ends
+vector in order, compressed (raw values unchecked: the aggregator checks what it sums), while it
+reads the averages coming back on the same stream. Each average is checked (the chunk expected,
+a peer set within the group's senders, finite values) and kept, staged, as the values the round
+writes into the tensors only when it ends
 (``AllReduceRunner._commit``: all or nothing per part): raw values in the very frame they
 arrived in (no copy before the commit), as are float16 values (the commit widens them as it
 writes), others as decoded. With a lossy codec the aggregator sends ``delta`` (the compressed
-difference between the average and what this peer sent), added here to this peer's exact
-values: one rounding of a small difference instead of a second rounding of the whole average
-(``kit.averaging.averages``).
+difference between the average and what this peer sent), added to this peer's exact values
+(a float16 difference as it arrived, by the commit): one rounding of a small difference instead
+of a second rounding of the whole average (``kit.averaging.averages``).
 
 Separate from ``allreduce`` (the round: which parts, the aggregator's side, the report and the
 commit) because a sender's streams are a concern of their own: they meet the round only where a
@@ -27,6 +28,7 @@ from typing import Any
 
 import torch
 
+from kit.averaging.averages import UNCHECKED_RAW
 from kit.averaging.chunk_stream import (
     PROTOCOL,
     RoundBuffers,
@@ -40,10 +42,11 @@ from kit.averaging.chunk_stream import (
     send_chunk,
     tensor_header,
 )
-from kit.averaging.compression import CompressionBase, is_finite, reused_empty
+from kit.averaging.compression import CompressionBase, NoCompression, is_finite, reused_empty
 from kit.averaging.group import GroupInfo
 from kit.averaging.partition import ChunkSpec, PartitionPlan, PartReport
 from kit.averaging.round_tasks import RoundTasks
+from kit.averaging.widening import WIDE_FLOATS, add_widened
 from kit.errors import (
     InvalidTensor,
     KitTimeout,
@@ -84,13 +87,27 @@ class SenderSide:
         self.buffers, self.tasks, self.timeouts = buffers, tasks, tasks.timeouts
         self.sender_bits, self._unreachable, self._abort = sender_bits, unreachable, abort
         self.averages: dict[tuple[int, int], torch.Tensor] = {}  # (part, chunk): staged values
+        self._differences: set[tuple[int, int]] = set()  # staged: a float16 difference to ours
+        self._raw = type(compression) is NoCompression  # (not a subclass, not adaptive)
         self.bytes_sent = 0
         self.bytes_received = 0
 
-    def staged(self, spec: ChunkSpec) -> torch.Tensor:
-        """The received average of chunk ``spec`` (flat; float16 values of a float tensor stay
-        float16 here: copy them into the tensor, ``copy_`` widens them)."""
-        return self.averages[(spec.part_index, spec.chunk_index)]
+    def commit(self, target: torch.Tensor, spec: ChunkSpec) -> None:
+        """Write the received average of chunk ``spec`` into ``target`` (its view of the
+        tensors): copied (float16 values widened as they are written), or, for a staged
+        difference, added to our values in place (one pass: ours + difference is never staged)."""
+        staged = self.averages[(spec.part_index, spec.chunk_index)]
+        if (spec.part_index, spec.chunk_index) not in self._differences:
+            target.copy_(staged)
+        elif target.device.type == "cpu":
+            add_widened(target, target, staged)
+        else:
+            target.add_(staged.to(target.device))
+
+    def release(self) -> None:
+        """The round is over: let go of the staged frames (their buffers are then reused)."""
+        self.averages.clear()
+        self._differences.clear()
 
     async def exchange_part(self, k: int) -> PartReport:
         """Send part ``k`` to its aggregator and stage the averages it sends back.
@@ -145,7 +162,12 @@ class SenderSide:
 
     async def _send_chunks(self, stream: StreamAPI, k: int) -> None:
         for spec, view in self.plan.iter_part(self.tensors, k):
-            serialized = self.compression.compress(view, self.plan.compression_info(spec))
+            info = self.plan.compression_info(spec)
+            # Raw values go unchecked: the aggregator checks what it sums (kit.averaging.reducer),
+            # and a pass here would only repeat that (a NaN chunk of ours is left out there).
+            # Only for a plain NoCompression: any other codec sees every chunk, as in hivemind.
+            codec = UNCHECKED_RAW if self._raw else self.compression
+            serialized = codec.compress(view, info)
             payload = memoryview(serialized.buffer).cast("B")
             head = chunk_head({"chunk": spec.chunk_index, **serialized.header()})
             await send_chunk(stream, head, payload, self.tasks.remaining(self.timeouts.reducer))
@@ -189,11 +211,22 @@ class SenderSide:
         if not delta and arrived is not None:  # staged in the frame (float16: the commit's copy
             # widens it, one pass where decoding first wrote, and faulted in, a float32 copy)
             values = arrived
-        elif delta and arrived is not None and dtype in (torch.float32, torch.float64):
-            # our exact values plus the difference as it arrived (widened exactly), into a
-            # reused buffer: no decoded copy of the difference
-            ours = self.plan.chunk_view(self.tensors, spec).cpu()
-            values = torch.add(ours, arrived, out=reused_empty(spec.size, dtype))
+        elif (
+            delta
+            and arrived is not None
+            and arrived.dtype == torch.float16
+            and dtype in WIDE_FLOATS
+        ):
+            # A float16 difference, staged as it arrived and added to our values at the commit
+            # (the tensors are locked for the round: ours do not change meanwhile). Checking it
+            # checks the sum: finite float32 values plus a finite float16 difference (at most
+            # 65504) are finite unless ours are within 65504 of float32's largest, 3.4e38.
+            values = arrived
+            self._differences.add((spec.part_index, spec.chunk_index))
+        elif delta and arrived is not None and dtype in WIDE_FLOATS:
+            # our exact values plus the raw difference, into a reused buffer (no decoded copy)
+            values = reused_empty(spec.size, dtype)
+            add_widened(values, self.plan.chunk_view(self.tensors, spec).cpu(), arrived)
         else:  # decoded into a new tensor (checked below, a difference once added to ours)
             values = decode_chunk(codec_header, payload, spec, dtype, check_finite=False)
             if delta:  # our exact values plus the compressed difference to the average

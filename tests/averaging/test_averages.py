@@ -17,7 +17,8 @@ from kit.averaging.compression import (
     TensorDescriptor,
     Uniform8BitQuantization,
 )
-from kit.averaging.partition import PartitionPlan, PartReducer
+from kit.averaging.partition import PartitionPlan
+from kit.averaging.reducer import PartReducer
 
 
 def reducer_of(values: dict[str, torch.Tensor]) -> tuple[PartitionPlan, PartReducer]:
@@ -65,6 +66,23 @@ def test_lossy_chunks_give_each_sender_its_difference() -> None:
     header, plain = decoded(averages.for_sender("b", 0), plan)
     assert header["delta"] is False
     torch.testing.assert_close(plain, average, rtol=0, atol=2e-2)
+
+
+def test_a_sender_left_out_for_nan_gets_the_average_not_a_difference() -> None:
+    """Its chunk was kept for its delta before the reducer found the NaN (at the chunk's
+    completion): it gets the average itself, finite, like a sender rejected on arrival."""
+    values = {"a": torch.linspace(10, 20, 8), "b": torch.full((8,), float("nan"))}
+    plan, reducer = reducer_of(values)
+    averages = OutgoingAverages(plan, reducer, Float16Compression(), {"a": 1, "b": 2})
+    for sender, value in values.items():
+        averages.keep_sent(sender, 0, value.clone())
+    averages.complete(0)
+    assert reducer.report().chunk_peers[0] == {"a"}
+    header, plain = decoded(averages.for_sender("b", 0), plan)
+    assert header["delta"] is False and header["peers"] == 1
+    torch.testing.assert_close(plain, values["a"], rtol=0, atol=2e-2)
+    header, delta = decoded(averages.for_sender("a", 0), plan)
+    assert header["delta"] is True and torch.equal(delta, torch.zeros(8))
 
 
 def test_nobody_delivered_means_an_empty_answer() -> None:

@@ -113,10 +113,13 @@ def test_sizes_are_checked_before_anything_is_allocated_or_decoded() -> None:
     assert values.dtype == torch.float32 and values[0].isnan() and values[1:].eq(0).all()
 
 
-def test_round_buffers_are_reused() -> None:
+def test_round_buffers_are_reused_and_grow_with_room_to_spare() -> None:
     buffers = RoundBuffers()
     accumulator = buffers.accumulator_for(100)
     assert buffers.accumulator_for(50) is accumulator
+    assert buffers.accumulator_for(120) is accumulator  # a part a little larger: the same one
+    larger = buffers.accumulator_for(200)
+    assert len(larger) >= 200 and buffers.accumulator_for(240) is larger
 
 
 class PartsStream:

@@ -1,9 +1,6 @@
-"""Partition: chunk plans, the aggregator's reducer (exact means, exclusions, rejections), apply."""
+"""Partition: chunk plans, reports, apply, and a whole round through plan, codecs and reducers."""
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
@@ -13,14 +10,13 @@ from kit.averaging.balancing import load_balance_peers
 from kit.averaging.compression import TensorDescriptor
 from kit.averaging.partition import (
     PartitionPlan,
-    PartReducer,
-    PartReport,
     RoundReport,
     apply_averaged,
     chunk_scale,
     max_chunk_elements,
 )
-from kit.errors import ConfigError, InvalidChunk, KitUsageError
+from kit.averaging.reducer import PartReducer
+from kit.errors import ConfigError, KitUsageError
 
 ROUND = b"group-1"
 
@@ -138,191 +134,11 @@ def test_chunks_scale_with_the_slowest_measured_bandwidth(
     assert chunk_scale(bandwidths, part_sizes, [MIB // 8], MIB // 2) == expected
 
 
-def run_part(
-    plan: PartitionPlan,
-    part_index: int,
-    peers: dict[str, list[torch.Tensor]],
-    weights: dict[str, float],
-) -> PartReducer:
-    reducer = PartReducer(plan, part_index, weights, ROUND)
-    for name, tensors in peers.items():
-        for spec, view in plan.iter_part(tensors, part_index):
-            reducer.accept(name, ROUND, part_index, spec.chunk_index, view.clone())
-    return reducer
-
-
 def weighted_mean(
     peers: dict[str, list[torch.Tensor]], weights: dict[str, float], index: int
 ) -> torch.Tensor:
     stacked = torch.stack([peers[name][index].double() * weights[name] for name in peers])
     return (stacked.sum(0) / sum(weights[name] for name in peers)).float()
-
-
-@pytest.mark.parametrize("n_senders", [2, 3, 5, 8])
-def test_exact_weighted_mean(n_senders: int) -> None:
-    peers = {f"peer{i}": tensors_like(10 + i) for i in range(n_senders)}
-    weights = {name: float(3 * i + 1) for i, name in enumerate(peers)}
-    plan = PartitionPlan.build(describe(peers["peer0"]), [20, 70], chunk_elements=9)
-    reducer = run_part(plan, 1, peers, weights)
-    chunks = plan.parts[1]
-    assert all(reducer.is_complete(spec.chunk_index) for spec in chunks)
-    result = [t.clone() for t in peers["peer0"]]
-    for spec in chunks:
-        apply_averaged(plan.chunk_view(result, spec), averaged(reducer, spec.chunk_index))
-    for index in (3, 4):  # the tensors part 1 covers entirely
-        assert torch.allclose(
-            result[index], weighted_mean(peers, weights, index), rtol=1e-6, atol=1e-6
-        )
-    report = reducer.report()
-    assert report.complete and report.peers == frozenset(peers)
-    assert RoundReport((report, run_part(plan, 0, peers, weights).report())).is_full
-
-
-def test_excluding_a_sender_midway_renormalises() -> None:
-    peers = {name: tensors_like(seed) for seed, name in enumerate("abc")}
-    weights = {"a": 1.0, "b": 2.0, "c": 5.0}
-    plan = PartitionPlan.build(describe(peers["a"]), [0, 90], chunk_elements=10)
-    reducer = PartReducer(plan, 1, weights, ROUND)
-    chunks = plan.parts[1]
-    for name in "ab":
-        for spec, view in plan.iter_part(peers[name], 1):
-            reducer.accept(name, ROUND, 1, spec.chunk_index, view)
-    for spec in chunks[:2]:
-        done = reducer.accept("c", ROUND, 1, spec.chunk_index, plan.chunk_view(peers["c"], spec))
-        assert done == (spec.chunk_index,)
-    assert not reducer.is_complete(2)
-    assert reducer.exclude("c") == tuple(range(2, len(chunks)))
-    with pytest.raises(InvalidChunk) as rejected:
-        reducer.accept("c", ROUND, 1, 2, plan.chunk_view(peers["c"], chunks[2]))
-    assert rejected.value.reason == "sender"
-    for spec in chunks:
-        senders = "abc" if spec.chunk_index < 2 else "ab"
-        stacked = torch.stack(
-            [weights[s] * plan.chunk_view(peers[s], spec).double() for s in senders]
-        )
-        expected = (stacked.sum(0) / sum(weights[s] for s in senders)).float()
-        assert torch.allclose(averaged(reducer, spec.chunk_index), expected, rtol=1e-6, atol=1e-7)
-    report = reducer.report()
-    assert report.chunk_peers[1] == {"a", "b", "c"} and report.chunk_peers[2] == {"a", "b"}
-    assert not report.complete and report.peers == {"a", "b"}
-    assert not RoundReport((report,)).is_full
-
-
-@pytest.mark.parametrize(
-    "change, reason",
-    [
-        (lambda v: v[:-1], "size"),
-        (lambda v: v.view(1, -1), "size"),
-        (lambda v: v.double(), "dtype"),
-        (lambda v: v.numpy(), "dtype"),
-        (lambda v: torch.cat([v[:-1], torch.tensor([float("nan")])]), "non_finite"),
-        (lambda v: torch.cat([v[:-1], torch.tensor([float("-inf")])]), "non_finite"),
-    ],
-)
-def test_bad_chunk_content_is_dropped_and_the_round_goes_on(
-    change: Callable[[torch.Tensor], Any], reason: str
-) -> None:
-    peers = {name: tensors_like(seed) for seed, name in enumerate("ab")}
-    plan = PartitionPlan.build(describe(peers["a"]), [90], chunk_elements=30)
-    reducer = PartReducer(plan, 0, {"a": 1.0, "b": 1.0}, ROUND)
-    first = plan.parts[0][0]
-    reducer.accept("a", ROUND, 0, 0, plan.chunk_view(peers["a"], first))
-    with pytest.raises(InvalidChunk) as rejected:
-        reducer.accept("b", ROUND, 0, 0, change(plan.chunk_view(peers["b"], first)))
-    assert rejected.value.reason == reason and rejected.value.completed == (0,)
-    assert torch.equal(averaged(reducer, 0), plan.chunk_view(peers["a"], first))
-    second = plan.parts[0][1]  # the next chunk from "b" is still welcome
-    for name in "ab":
-        reducer.accept(name, ROUND, 0, 1, plan.chunk_view(peers[name], second))
-    assert reducer.report().chunk_peers[:2] == (frozenset("a"), frozenset("ab"))
-
-
-@pytest.mark.parametrize(
-    "sender, round_id, part, chunk, reason",
-    [
-        ("b", b"group-0", 0, 0, "round"),
-        ("b", ROUND, 1, 0, "part"),
-        ("b", ROUND, 0, 1, "order"),  # a gap
-        ("mallory", ROUND, 0, 0, "sender"),
-    ],
-)
-def test_misaddressed_chunks_change_nothing(
-    sender: str, round_id: bytes, part: int, chunk: int, reason: str
-) -> None:
-    tensors = tensors_like(0)
-    plan = PartitionPlan.build(describe(tensors), [90, 0], chunk_elements=30)
-    reducer = PartReducer(plan, 0, {"a": 1.0, "b": 3.0}, ROUND)
-    with pytest.raises(InvalidChunk) as rejected:
-        reducer.accept(
-            sender, round_id, part, chunk, plan.chunk_view(tensors, plan.parts[0][chunk])
-        )
-    assert rejected.value.reason == reason and rejected.value.completed == ()
-    reducer.accept("b", ROUND, 0, 0, plan.chunk_view(tensors, plan.parts[0][0]))  # still expected
-    with pytest.raises(InvalidChunk, match="order"):  # a duplicate
-        reducer.accept("b", ROUND, 0, 0, plan.chunk_view(tensors, plan.parts[0][0]))
-    for spec in plan.parts[0][1:]:
-        reducer.accept("b", ROUND, 0, spec.chunk_index, plan.chunk_view(tensors, spec))
-    with pytest.raises(InvalidChunk, match="order"):  # one past the last chunk
-        reducer.accept("b", ROUND, 0, len(plan.parts[0]), plan.chunk_view(tensors, spec))
-
-
-def test_deadline_and_a_chunk_nobody_sent() -> None:
-    tensors = tensors_like(0)
-    plan = PartitionPlan.build(describe(tensors), [90], chunk_elements=45)
-    reducer = PartReducer(plan, 0, {"a": 1.0, "b": 1.0}, ROUND)
-    reducer.accept("a", ROUND, 0, 0, plan.chunk_view(tensors, plan.parts[0][0]))
-    with pytest.raises(KitUsageError, match="help:"):
-        reducer.averaged(0)
-    report = reducer.finish()
-    assert report.chunk_peers == (frozenset("a"),) + (frozenset(),) * 3  # chunks end at tensors
-    assert not report.complete and reducer.averaged(1) is None and reducer.averaged(0) is not None
-    missing = PartReport.missing(1, frozenset("ab"), 3)
-    assert missing.peers == frozenset() and not missing.complete
-
-
-def test_bad_weights_are_refused() -> None:
-    plan = PartitionPlan.build(describe(tensors_like(0)), [90], chunk_elements=45)
-    for weight in (0.0, -1.0, float("nan"), float("inf"), True):
-        with pytest.raises(ConfigError, match="help:"):
-            PartReducer(plan, 0, {"a": 1.0, "b": weight}, ROUND)  # type: ignore[dict-item]
-
-
-def test_float16_tensors_accumulate_in_float32() -> None:
-    peers = {name: tensors_like(seed, torch.float16) for seed, name in enumerate("abc")}
-    weights = {"a": 1000.0, "b": 1.0, "c": 1.0}
-    plan = PartitionPlan.build(describe(peers["a"]), [90], chunk_elements=64)
-    reducer = run_part(plan, 0, peers, weights)
-    result = averaged(reducer, 0)
-    expected = weighted_mean(peers, weights, 0).reshape(-1)
-    assert result.dtype == torch.float32
-    assert torch.allclose(result[:35], expected, rtol=1e-5, atol=1e-6)
-
-
-def test_float16_values_of_a_float32_tensor_are_summed_as_they_arrived() -> None:
-    """The FLOAT16 codec's chunks are added without a float32 copy first: the same sums as of
-    the widened values, and a NaN among them is still refused."""
-    peers = {name: tensors_like(seed) for seed, name in enumerate("abc")}
-    weights = {"a": 3.0, "b": 1.0, "c": 2.0}
-    plan = PartitionPlan.build(describe(peers["a"]), [90], chunk_elements=30)
-    widened = {name: [t.half().float() for t in tensors] for name, tensors in peers.items()}
-    reducer = PartReducer(plan, 0, weights, ROUND)
-    for name in "abc":  # "a" first: the first contribution of each chunk is written, not added
-        for spec, view in plan.iter_part(peers[name], 0):
-            reducer.accept(name, ROUND, 0, spec.chunk_index, view.half())
-    expected = run_part(plan, 0, widened, weights)
-    for chunk in range(len(plan.parts[0])):
-        assert torch.equal(averaged(reducer, chunk), averaged(expected, chunk))
-    nan = plan.chunk_view(peers["b"], plan.parts[0][0]).half()
-    nan[2] = float("nan")
-    with pytest.raises(InvalidChunk) as rejected:
-        PartReducer(plan, 0, weights, ROUND).accept("b", ROUND, 0, 0, nan)
-    assert rejected.value.reason == "non_finite"
-    integers = PartitionPlan.build(
-        [TensorDescriptor.from_tensor(torch.zeros(10, dtype=torch.int32))], [10], chunk_elements=10
-    )
-    with pytest.raises(InvalidChunk) as refused:  # float16 stands in for float tensors only
-        PartReducer(integers, 0, {"a": 1.0}, ROUND).accept("a", ROUND, 0, 0, torch.zeros(10).half())
-    assert refused.value.reason == "dtype"
 
 
 def test_apply_overwrite_lerp_and_delta() -> None:

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from kit.averaging.compression import TensorDescriptor
-from kit.averaging.partition import PartitionPlan, PartReducer
+from kit.averaging.partition import PartitionPlan
+from kit.averaging.reducer import PartReducer
 from kit.averaging.robust import (
     Aggregation,
     ClippedPartReducer,
