@@ -11,11 +11,15 @@ Peers meet through files in a shared run directory (namespaces share the file sy
 * after every local step a peer appends ``<time.time()> <local_epoch>`` to ``peer<i>.events``
   (flushed, so a SIGKILLed peer leaves every line it wrote), and whenever its epoch changed,
   ``<local_epoch> <crc32 of its parameters>`` to ``peer<i>.params`` (where peers parted, when
-  they end apart: ``test_churn.first_parting``);
+  they end apart: ``test_churn.partings``);
 * the driver writes ``final_epoch``: a peer trains until its local epoch reaches it, then only
   calls ``step(batch_size=0)`` (applying background work, adding no samples) until ``release``
-  appears, then writes its parameters (``peer<i>.final.npy``, float32, no pickle) and epoch
-  (``peer<i>.final.json``) and shuts down, exit code 0.
+  appears; from then on, once it is settled (:func:`background_work`: not drifted, no download,
+  parameter round or optimizer step under way; bounded by ``SETTLE_TIMEOUT``), it writes its
+  parameters (``peer<i>.final.npy``, float32, no pickle) and epoch and background work
+  (``peer<i>.final.json``), and goes on holding until ``stop`` appears (it may still be the
+  donor or a member another peer's repair needs), then shuts down, exit code 0.
+  :func:`finish` is the driver's side: release, wait for every final file, stop.
 
 Its stderr (and so any traceback) goes to ``peer<i>.log``.
 """
@@ -27,6 +31,7 @@ import faulthandler
 import json
 import logging
 import os
+import subprocess
 import sys
 import time
 import zlib
@@ -36,10 +41,16 @@ import numpy as np
 import torch
 
 import kit
+from kit.optim.epochs import Refresh
 
 RUN_ID = "churn"
 TEACHER_SEED = 1234  # every peer labels its data with the same teacher
-SETTLE_SECONDS = 2.0  # after release: let finished background work (catch-up, rounds) apply
+SETTLE_SECONDS = 2.0  # after release, at least: let finished background work apply
+# After release, at most: a peer whose last round failed under load repairs itself in the
+# background (a download of the others' state, or a parameter round), which can take a few
+# matchmaking windows and a retry on a loaded 2-core machine.
+SETTLE_TIMEOUT = 40.0
+STOP_TIMEOUT = 90.0  # after its final files: hold until the driver says stop (every peer wrote)
 
 
 def teacher(inputs: torch.Tensor) -> torch.Tensor:
@@ -59,6 +70,42 @@ def flat_parameters(model: torch.nn.Module) -> np.ndarray:
 
 def parameters_digest(model: torch.nn.Module) -> str:
     return f"{zlib.crc32(flat_parameters(model).tobytes()):08x}"
+
+
+def background_work(opt: kit.Optimizer) -> dict[str, object]:
+    """What the peer knows to be unsettled: every value falsy when nothing is (written with
+    its final parameters: when the survivors end apart, this tells a repair still in flight
+    from one nobody started)."""
+    driver = opt._driver
+    return {
+        "drifted": driver.life.drifted,
+        "refreshing": driver.life.refresh is not Refresh.IDLE,
+        "parameter_round": driver.state_round.epoch if driver.state_round.running else None,
+        "optimizer_step_pending": driver.inner.pending,
+    }
+
+
+def finish(
+    run_dir: Path, processes: dict[int, subprocess.Popen[bytes]], timeout: float
+) -> dict[int, int | None]:
+    """The driver's side of the end: release the peers (all at the final epoch), wait until
+    each wrote its final files (or exited), then tell them to stop; their exit codes (None:
+    still running at the timeout, then killed by the caller)."""
+    (run_dir / "release").write_text("1")
+    give_up = time.monotonic() + timeout
+    while time.monotonic() < give_up and not all(
+        (run_dir / f"peer{i}.final.json").exists() or p.poll() is not None
+        for i, p in processes.items()
+    ):
+        time.sleep(0.2)
+    (run_dir / "stop").write_text("1")
+    codes: dict[int, int | None] = {}
+    for index, process in processes.items():
+        try:
+            codes[index] = process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            codes[index] = None
+    return codes
 
 
 def read_int(path: Path) -> int | None:
@@ -163,27 +210,38 @@ def main() -> int:
             record()
             time.sleep(args.compute_seconds)  # a real GPU step takes time; keeps the CPU free
         # Hold at the final epoch: no samples, but background work still applies.
-        settle_until = None
-        while settle_until is None or time.monotonic() < settle_until:
+        released_at = None
+        while True:
             if time.monotonic() > give_up:
                 logging.error("lifetime over while waiting for the release")
                 return 3
-            if settle_until is None and release_file.exists():
-                settle_until = time.monotonic() + SETTLE_SECONDS
+            if released_at is None and release_file.exists():
+                released_at = time.monotonic()
+            if released_at is not None:
+                held = time.monotonic() - released_at
+                settled = not any(background_work(opt).values())
+                if held >= SETTLE_SECONDS and (settled or held >= SETTLE_TIMEOUT):
+                    break
             opt.step(batch_size=0)
             record()
             time.sleep(0.1)
-        np.save(run_dir / f"peer{args.index}.final.npy", flat_parameters(model))
         relay = dht.node.peer.relay_service  # bytes it carried between client-mode peers
-        (run_dir / f"peer{args.index}.final.json").write_text(
-            json.dumps(
-                {
-                    "epoch": opt.local_epoch,
-                    "loss": last_loss,
-                    "relayed_bytes": relay.relayed_bytes if relay is not None else 0,
-                }
-            )
+        final = {
+            "epoch": opt.local_epoch,
+            "loss": last_loss,
+            "digest": parameters_digest(model),
+            **background_work(opt),
+            "relayed_bytes": relay.relayed_bytes if relay is not None else 0,
+        }
+        np.save(run_dir / f"peer{args.index}.final.npy", flat_parameters(model))
+        (run_dir / f"peer{args.index}.final.tmp").write_text(json.dumps(final))
+        os.replace(
+            run_dir / f"peer{args.index}.final.tmp", run_dir / f"peer{args.index}.final.json"
         )
+        stop_by = time.monotonic() + STOP_TIMEOUT
+        while not (run_dir / "stop").exists() and time.monotonic() < stop_by:
+            opt.step(batch_size=0)  # (our state may still be what another peer downloads)
+            time.sleep(0.1)
     finally:
         events.close()
         digests.close()

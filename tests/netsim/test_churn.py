@@ -5,7 +5,9 @@ One stable bootstrap peer (it trains too, and never dies) and a pool of peer pro
 hosts on one bridge, unshaped links: this scenario is about membership, not bandwidth). A seeded
 churn driver SIGKILLs a random non-bootstrap peer or starts a new one every 10-30 s, keeping 3 to
 5 peers alive (at most 5 processes: the machine has 2 cores). After ``CHURN_SECONDS`` the churn
-stops, the survivors are brought to one final epoch, stopped gracefully, and the test checks:
+stops, the survivors are brought to one final epoch and released; each writes its parameters
+once its own repairs landed (``churn_peer.finish``: a round that failed under load in the last
+epochs is repaired in the background), all stop gracefully, and the test checks:
 
 1. no stall: the longest time the collaboration's epoch (the max over all peers' event logs,
    killed peers included) went without advancing is <= 2 x the median step time plus
@@ -43,6 +45,7 @@ import numpy as np
 import pytest
 
 from kit.testing.netsim import HostSpec, NetSim
+from tests.netsim.churn_peer import finish
 from tests.netsim.skips import skip_without_netns
 
 logger = logging.getLogger(__name__)
@@ -275,9 +278,8 @@ def test_training_survives_churn(tmp_path: Path) -> None:
                 lambda: all(churn.events(i)[-1][1] >= final_epoch for i in churn.alive()),
                 FINISH_TIMEOUT,
             )
-            (tmp_path / "release").write_text("1")
             survivors = churn.alive()
-            codes = {i: churn.processes[i].wait(FINISH_TIMEOUT) for i in survivors}
+            codes = finish(tmp_path, {i: churn.processes[i] for i in survivors}, FINISH_TIMEOUT)
         finally:
             for process in churn.processes.values():
                 with contextlib.suppress(OSError):
@@ -316,8 +318,12 @@ def test_training_survives_churn(tmp_path: Path) -> None:
     assert {f["epoch"] for f in finals.values()} == {final_epoch}, finals
     scale = float(np.abs(params[0]).max())
     differences = {i: float(np.abs(params[i] - params[0]).max()) for i in survivors}
-    parted = partings(tmp_path, sorted(churn.processes))[-10:]
-    assert spread <= 1e-6 * scale, (differences, scale, f"parted at epochs {parted}", logs)
+    if spread > 1e-6 * scale:  # (stderr is shown whole; an assertion's message is cut short)
+        print(f"parted at epochs {partings(tmp_path, sorted(churn.processes))}", file=sys.stderr)
+        print(f"final states {finals}", file=sys.stderr)
+        for index, text in logs.items():
+            print(f"--- peer {index}, the end of its log:\n{text[-4000:]}", file=sys.stderr)
+    assert spread <= 1e-6 * scale, (differences, scale, finals)
     # (4) progress, and (1) no stall
     assert steps >= min_steps(CHURN_SECONDS), summary
     assert longest <= 2 * median + STALL_ALLOWANCE_SECONDS, (summary, rises)

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from kit.testing.netsim import HostSpec, NetSim
+from tests.netsim.churn_peer import finish
 from tests.netsim.skips import skip_without_netns
 
 PEER_MODULE = "tests.netsim.churn_peer"
@@ -73,8 +74,7 @@ def test_nat_peers_train_in_client_mode_through_a_public_peer(
             # them NAT'd too, reachable only through the public peer's relay.
             start_nat_peer(3, "home3")
             _wait_for_epoch(tmp_path, processes, FINAL_EPOCH)
-            (tmp_path / "release").write_text("1")
-            codes = [process.wait(60) for process in processes]
+            codes = list(finish(tmp_path, dict(enumerate(processes)), 60).values())
         finally:
             for process in processes:
                 process.kill()
