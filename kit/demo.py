@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 DEMO_DOCUMENTS = 4_000
 #: Token ids per served shard: the demo corpus becomes ~10 shards, so volunteers start apart.
 DEMO_SHARD_TOKENS = 1 << 16
+#: Seconds an overrunning volunteer gets to write its stacks before it is terminated.
+STACKS_SECONDS = 1.0
 #: Checkpoints the demo's coordinator keeps (every one of a demo's run: ~3 MB each).
 DEMO_KEPT_CHECKPOINTS = 100
 
@@ -123,15 +125,7 @@ def run_demo(
                 )
             _watch(coordinator, processes, duration)
         finally:
-            for process in processes:
-                if process.poll() is None:
-                    process.terminate()
-            for process in processes:
-                try:
-                    process.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait(timeout=10)
+            stop_volunteers(processes)
             for log in logs:
                 log.close()
         collector = coordinator.collector
@@ -148,6 +142,33 @@ def run_demo(
         "exit_codes": [process.returncode for process in processes],
     }
     return result
+
+
+def stop_volunteers(processes: list[subprocess.Popen[bytes]]) -> None:
+    """End the volunteers that did not stop by themselves: each first writes its threads'
+    stacks to its log.txt (``kit.cli.dump_stacks_on_signal``: where it was stuck), then gets
+    SIGTERM, then SIGKILL after 30 s."""
+    from kit.cli import STACKS_SIGNAL
+
+    overrunning = [process for process in processes if process.poll() is None]
+    for process in overrunning:
+        logger.warning(
+            "volunteer process %d did not stop by itself: its stacks go to its log.txt",
+            process.pid,
+        )
+        if STACKS_SIGNAL is not None:
+            process.send_signal(STACKS_SIGNAL)
+    if overrunning and STACKS_SIGNAL is not None:
+        time.sleep(STACKS_SECONDS)  # (faulthandler writes them from its signal handler)
+    for process in overrunning:
+        if process.poll() is None:
+            process.terminate()
+    for process in processes:
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
 
 
 def _watch(coordinator: Any, processes: list[subprocess.Popen[bytes]], duration: float) -> None:

@@ -206,6 +206,9 @@ def add_command(subparsers: Any) -> None:
 
 
 def _join_command(args: argparse.Namespace) -> int:
+    from kit.cli import dump_stacks_on_signal
+
+    dump_stacks_on_signal()  # a volunteer that hangs can say where (kit demo asks)
     try:
         volunteer = join(
             args.address,

@@ -199,3 +199,43 @@ def test_the_verdict_fits_the_runs_length() -> None:
     )
     assert judge(result(48, [9.34, 9.53]))[0] is True
     assert judge(result(48, [9.5]))[0] is False  # seen once: nothing to compare
+
+
+STUCK_VOLUNTEER = """
+import time
+from kit.cli import dump_stacks_on_signal
+
+def stuck_in_a_round():
+    time.sleep(120)
+
+assert dump_stacks_on_signal()
+print("ready", flush=True)
+stuck_in_a_round()
+"""
+
+
+@pytest.mark.skipif(not hasattr(__import__("signal"), "SIGUSR1"), reason="POSIX signals only")
+def test_a_volunteer_that_does_not_stop_says_where_it_hangs_then_is_terminated(
+    tmp_path: Path,
+) -> None:
+    import signal
+
+    from kit.demo import stop_volunteers
+
+    log = tmp_path / "log.txt"
+    with log.open("wb") as output:
+        stuck = subprocess.Popen(
+            [sys.executable, "-c", STUCK_VOLUNTEER], stdout=output, stderr=subprocess.STDOUT
+        )
+        finished = subprocess.Popen([sys.executable, "-c", "pass"])
+        finished.wait(60)
+        give_up = time.monotonic() + 60
+        while "ready" not in log.read_text() and time.monotonic() < give_up:
+            assert stuck.poll() is None, log.read_text()
+            time.sleep(0.05)
+        started = time.monotonic()
+        stop_volunteers([stuck, finished])
+    assert time.monotonic() - started < 20
+    assert stuck.returncode == -signal.SIGTERM and finished.returncode == 0
+    stacks = log.read_text()
+    assert "Current thread" in stacks and "in stuck_in_a_round" in stacks, stacks
