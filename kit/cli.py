@@ -7,10 +7,8 @@ Each room that has a command exposes ``add_command(subparsers)``, registering it
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import importlib
 import logging
-import signal
 import sys
 from collections.abc import Sequence
 
@@ -43,21 +41,6 @@ def build_parser() -> argparse.ArgumentParser:
     for module_name in COMMAND_MODULES:
         importlib.import_module(module_name).add_command(subparsers)
     return parser
-
-
-#: The signal on which a kit process writes every thread's stack to stderr (POSIX only).
-STACKS_SIGNAL = getattr(signal, "SIGUSR1", None)
-
-
-def dump_stacks_on_signal() -> bool:
-    """Write every thread's stack to stderr on ``STACKS_SIGNAL``, without stopping: where a
-    process that should have ended is stuck (``kit demo`` asks an overrunning volunteer before
-    it terminates it; by hand: ``kill -USR1 PID``). False where the platform has no such signal.
-    """
-    if STACKS_SIGNAL is None:
-        return False
-    faulthandler.register(STACKS_SIGNAL, all_threads=True)
-    return True
 
 
 def configure_logging(level_name: str) -> None:

@@ -146,9 +146,9 @@ def run_demo(
 
 def stop_volunteers(processes: list[subprocess.Popen[bytes]]) -> None:
     """End the volunteers that did not stop by themselves: each first writes its threads'
-    stacks to its log.txt (``kit.cli.dump_stacks_on_signal``: where it was stuck), then gets
+    stacks to its log.txt (``kit.volunteer.dump_stacks_on_signal``: where it was stuck), then gets
     SIGTERM, then SIGKILL after 30 s."""
-    from kit.cli import STACKS_SIGNAL
+    from kit.volunteer import STACKS_SIGNAL
 
     overrunning = [process for process in processes if process.poll() is None]
     for process in overrunning:

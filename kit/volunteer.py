@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import logging
 import os
+import signal
 import ssl
 from typing import Any
 
@@ -205,9 +207,22 @@ def add_command(subparsers: Any) -> None:
     parser.set_defaults(handler=_join_command)
 
 
-def _join_command(args: argparse.Namespace) -> int:
-    from kit.cli import dump_stacks_on_signal
+#: The signal on which a ``kit join`` process writes every thread's stack to stderr (POSIX only).
+STACKS_SIGNAL = getattr(signal, "SIGUSR1", None)
 
+
+def dump_stacks_on_signal() -> bool:
+    """Write every thread's stack to stderr on ``STACKS_SIGNAL``, without stopping: where a
+    process that should have ended is stuck (``kit demo`` asks an overrunning volunteer before
+    it terminates it; by hand: ``kill -USR1 PID``). False where the platform has no such signal.
+    """
+    if STACKS_SIGNAL is None:
+        return False
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)
+    return True
+
+
+def _join_command(args: argparse.Namespace) -> int:
     dump_stacks_on_signal()  # a volunteer that hangs can say where (kit demo asks)
     try:
         volunteer = join(

@@ -203,7 +203,7 @@ def test_the_verdict_fits_the_runs_length() -> None:
 
 STUCK_VOLUNTEER = """
 import time
-from kit.cli import dump_stacks_on_signal
+from kit.volunteer import dump_stacks_on_signal
 
 def stuck_in_a_round():
     time.sleep(120)
