@@ -112,9 +112,13 @@ class Connection:
         self._closed = False
         self._close_reason: Exception | None = None
         self._draining = False
-        self.last_activity = (
-            asyncio.get_running_loop().time()
-        )  # the one clock read, for idle pruning
+        self._loop = asyncio.get_running_loop()
+        self.last_activity = self._loop.time()  # the one clock read, for idle pruning
+        # Channels that can write without waiting (a websocket whose transport is not pushing
+        # back) take a frame at once, as the stream hands it over: one task switch less per
+        # frame than the writer task (``enqueue``). The writer still sends what is queued.
+        self._send_now: Callable[[Message], bool] | None = getattr(channel, "send_now", None)
+        self._writing = False  # the writer task is sending a frame
         self._reader = asyncio.ensure_future(self._read_loop())
         self._writer = asyncio.ensure_future(self._write_loop())
 
@@ -170,9 +174,21 @@ class Connection:
         return not self._streams and not self._handler_tasks
 
     def enqueue(self, frame: Message) -> None:
-        """Queue a frame for the writer task (ConnectionLost once closed)."""
+        """Send a frame: at once when nothing is queued before it and the channel takes it
+        now (``send_now``: no task switch), else queued for the writer task.
+
+        Raises:
+            ConnectionLost: the connection is closed, or its channel is gone.
+        """
         if self._closed:
             raise self._close_reason or ConnectionLost("connection closed")
+        if self._send_now is not None and not self._outbox and not self._writing:
+            try:
+                if self._send_now(frame):
+                    return
+            except ConnectionLost as e:
+                self._shutdown(e)
+                raise
         self._outbox.append(frame)
         self._outbox_ready.set()
 
@@ -210,7 +226,11 @@ class Connection:
             while True:
                 while self._outbox:
                     frame = self._outbox.popleft()
-                    await self.channel.send(frame)
+                    self._writing = True  # (enqueue must not overtake this frame)
+                    try:
+                        await self.channel.send(frame)
+                    finally:
+                        self._writing = False
                 if self._closed:
                     break
                 self._outbox_ready.clear()
@@ -226,21 +246,12 @@ class Connection:
             await self.channel.close()
 
     async def _read_loop(self) -> None:
-        max_frame = self.mux.limits.max_frame
-        loop = asyncio.get_running_loop()
         try:
+            set_receiver = getattr(self.channel, "set_receiver", None)
+            if set_receiver is not None:  # frames handled as they arrive (one task switch less
+                set_receiver(self._receive)  # each); recv() then raises what ends the reading
             while True:
-                data = await self.channel.recv()
-                self.last_activity = loop.time()
-                frame = wire.decode_frame(data, max_frame)
-                for event in self.mux.receive(frame):
-                    self._dispatch(event)
-                if self._ledger is not None and frame.type is FrameType.DATA:
-                    self._shed_for_peer(self._ledger)
-                    if (
-                        self.mux.buffers.circuit_ledger is not None
-                    ):  # this peer relays circuits here
-                        self._shed_for_peer(self.mux.buffers.circuit_ledger, circuits=True)
+                self._receive(await self.channel.recv())
         except RemoteProtocolError as e:
             logger.warning("dropping %s: %s", self.remote_peer.short(), e)
             reason = Refusal.TOO_MANY_STREAMS if "beyond the limit" in str(e) else Refusal.PROTOCOL
@@ -252,6 +263,17 @@ class Connection:
         except Exception as e:  # pragma: no cover - a bug
             logger.exception("reader of connection to %s failed", self.remote_peer.short())
             self._shutdown(LocalProtocolError(f"reader failed: {e!r}"))
+
+    def _receive(self, data: bytes | bytearray | memoryview) -> None:
+        """Handle one frame from the channel (errors end the reading: see ``_read_loop``)."""
+        self.last_activity = self._loop.time()
+        frame = wire.decode_frame(data, self.mux.limits.max_frame)
+        for event in self.mux.receive(frame):
+            self._dispatch(event)
+        if self._ledger is not None and frame.type is FrameType.DATA:
+            self._shed_for_peer(self._ledger)
+            if self.mux.buffers.circuit_ledger is not None:  # this peer relays circuits here
+                self._shed_for_peer(self.mux.buffers.circuit_ledger, circuits=True)
 
     def _shed_for_peer(self, ledger: BufferLedger[Any], circuits: bool = False) -> None:
         """Over the peer-wide budget (or the relay's, for ``circuits``): the connection holding

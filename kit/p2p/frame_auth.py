@@ -14,7 +14,7 @@ measurable. Frames are authenticated, not encrypted: use wss:// where confidenti
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
@@ -81,6 +81,23 @@ class AuthenticatedChannel:
 
     async def recv(self) -> bytes:
         return self._authenticator.open(await self._channel.recv())
+
+    def send_now(self, data: Message) -> bool:
+        """Send at once if the inner channel can (``kit.p2p.connection.Connection.enqueue``);
+        the tag is made only then, so tags stay in the order frames go out."""
+        can_send_now = getattr(self._channel, "can_send_now", None)
+        if can_send_now is None or not can_send_now():
+            return False
+        parts = message_parts(data)
+        return bool(self._channel.send_now((*parts, self._authenticator.tag(parts))))  # type: ignore[attr-defined]
+
+    def set_receiver(self, receiver: Callable[[bytes | bytearray | memoryview], None]) -> bool:
+        """Have the inner channel hand each message over checked, as it arrives (see
+        ``FastWebSocketChannel.set_receiver``); False when it cannot (use ``recv``)."""
+        set_receiver = getattr(self._channel, "set_receiver", None)
+        if set_receiver is None:
+            return False
+        return bool(set_receiver(lambda raw: receiver(self._authenticator.open(raw))))
 
     async def close(self) -> None:
         await self._channel.close()

@@ -32,6 +32,7 @@ import collections
 import contextlib
 import os
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -250,6 +251,8 @@ class FastWebSocketChannel(asyncio.BufferedProtocol):
         # A protocol error in what the peer sent: recv() raises it (after the messages before
         # it), so that the connection answers with a GOAWAY naming it before closing.
         self._read_error: MalformedFrame | FrameTooLarge | None = None
+        self._receiver: Callable[[bytes | bytearray | memoryview], None] | None = None
+        self._receiver_error: Exception | None = None  # what it raised: recv() raises it too
         self._close_code = 1000
         self._on_lost = on_lost
         self._loop = asyncio.get_running_loop()
@@ -279,12 +282,45 @@ class FastWebSocketChannel(asyncio.BufferedProtocol):
             raise self._error
         self._write(OP_BINARY, data)
 
+    def can_send_now(self) -> bool:
+        """Whether :meth:`send_now` would write at once (the transport is not pushing back).
+
+        Raises:
+            ConnectionLost: the channel is gone.
+        """
+        if self._error is not None:
+            raise self._error
+        return self._can_write.is_set()
+
+    def send_now(self, data: Message) -> bool:
+        """Send one message now, without a task switch, if the transport takes it at once
+        (:meth:`can_send_now`); False (nothing sent) otherwise.
+
+        Raises:
+            ConnectionLost: the channel is gone.
+        """
+        if not self.can_send_now():
+            return False
+        self._write(OP_BINARY, data)
+        return True
+
+    def set_receiver(self, receiver: Callable[[bytes | bytearray | memoryview], None]) -> bool:
+        """Hand every message to ``receiver`` as it is parsed, in the transport's callback, in
+        order (the ones already parsed first), instead of queueing it for :meth:`recv`: one task
+        switch less per message. What ``receiver`` raises ends the reading: :meth:`recv` raises
+        it, as it raises a malformed frame, and nothing more is delivered. True: it is set."""
+        self._receiver = receiver
+        self._deliver()
+        return True
+
     async def recv(self) -> bytes:
-        while not self._reader.messages:
+        while not self._reader.messages or self._receiver is not None:  # (a receiver: errors)
             if self._error is not None:
                 raise self._error
             if self._read_error is not None:
                 raise self._read_error
+            if self._receiver_error is not None:
+                raise self._receiver_error
             self._message_ready.clear()
             await self._message_ready.wait()
         message = self._reader.messages.popleft()
@@ -342,8 +378,10 @@ class FastWebSocketChannel(asyncio.BufferedProtocol):
         try:
             self._reader.received(nbytes)
         except (MalformedFrame, FrameTooLarge) as e:
-            # As for any protocol error: the connection's reader gets it from recv() and sends a
-            # GOAWAY with the reason, then close() sends close code 1009 or 1002.
+            # As for any protocol error: the connection's reader gets it from recv() (after the
+            # messages before it) and sends a GOAWAY with the reason, then close() sends close
+            # code 1009 or 1002.
+            self._deliver()
             self._read_error = e
             self._close_code = 1009 if isinstance(e, FrameTooLarge) else 1002
             self._transport.pause_reading()
@@ -359,13 +397,26 @@ class FastWebSocketChannel(asyncio.BufferedProtocol):
             with contextlib.suppress(Exception):
                 self._write(opcode, payload)
         self._reader.replies.clear()
-        if self._reader.closed_by_peer:
+        closed_by_peer = self._reader.closed_by_peer
+        if self._reader.messages:
+            self._deliver()
+        if closed_by_peer:  # (after the messages before the close frame)
             self._peer_closed.set()
             self._fail(ConnectionLost(f"websocket to {self.remote_address} closed by the peer"))
             self._transport.close()
-        if self._reader.messages:
+
+    def _deliver(self) -> None:
+        """Hand parsed messages to the receiver, or wake :meth:`recv` for them."""
+        messages, receiver = self._reader.messages, self._receiver
+        while receiver is not None and messages and self._receiver_error is None:
+            try:
+                receiver(messages.popleft())
+            except Exception as e:  # the connection's reader gets it from recv()
+                self._receiver_error = e
+                self._transport.pause_reading()
+        if messages or self._receiver_error is not None:
             self._message_ready.set()
-            if len(self._reader.messages) > 64:
+            if len(messages) > 64:
                 self._transport.pause_reading()  # the connection's reader is behind: push back
 
     def eof_received(self) -> bool:

@@ -13,6 +13,7 @@ from kit.p2p.frame_auth import AuthenticatedChannel, FrameAuthenticator
 from kit.p2p.handshake import SessionKeys
 from kit.p2p.identity import PeerID
 from kit.p2p.peer import create_peer
+from kit.p2p.websocket import OP_BINARY, FastWebSocketChannel, apply_mask, frame_header
 from kit.p2p.wire import FrameType
 
 
@@ -63,19 +64,15 @@ async def test_injected_frame_drops_the_connection() -> None:
         assert connection is not None and isinstance(connection.channel, AuthenticatedChannel)
         assert isinstance(b.connection(a.peer_id).channel, AuthenticatedChannel)  # type: ignore[union-attr]
         inner = connection.channel.inner
-        original_recv = inner.recv
-        injected = []
-
-        async def recv_with_injection() -> bytes:
-            if not injected:
-                injected.append(True)  # an attacker slips a well-formed RESET frame in
-                return (
-                    wire.encode_control(FrameType.RESET, 1, {"code": "cancelled", "message": ""})
-                    + b"\0" * 16
-                )
-            return await original_recv()
-
-        inner.recv = recv_with_injection  # type: ignore[method-assign]
+        assert isinstance(inner, FastWebSocketChannel)
+        # an attacker on the path slips a well-formed RESET frame in, with a made-up tag: it
+        # arrives as websocket bytes from the dialer would (a masked frame)
+        forged = wire.encode_control(FrameType.RESET, 1, {"code": "cancelled", "message": ""})
+        forged += b"\0" * 16
+        key = b"\x01\x02\x03\x04"
+        masked = bytearray(forged)
+        apply_mask(masked, key)
+        inner.feed(frame_header(OP_BINARY, len(forged), key) + bytes(masked))
         with pytest.raises((ConnectionLost, StreamReset)):
             await b.call(a.peer_id, "echo", b"x", timeout=5)
         await asyncio.sleep(0.1)

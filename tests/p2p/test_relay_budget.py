@@ -1,8 +1,8 @@
 """What circuits make a relay hold: charged to RelayLimits budgets, not to the connection's.
 
-Destinations that read their connection to the relay slowly (or never) are simulated by gating
-that connection's ``channel.recv``: the relay's writer then waits for their credit, and what the
-source keeps sending piles up unread at the relay, as behind a slow Colab downlink. Hole punching is off: it would take the circuits off the relay.
+Destinations that read their connection to the relay slowly (or never) are simulated by pausing
+the reading of that connection's socket: the relay's writer then waits for their credit, and what
+the source keeps sending piles up unread at the relay, as behind a slow Colab downlink. Hole punching is off: it would take the circuits off the relay.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from kit.p2p.identity import PeerID
 from kit.p2p.options import RelayLimits
 from kit.p2p.peer import Peer, create_peer
 from kit.p2p.stream import Stream
+from kit.p2p.websocket import FastWebSocketChannel
 from tests.p2p.test_peer import in_use
 
 pytestmark = pytest.mark.sockets
@@ -27,16 +28,20 @@ pytestmark = pytest.mark.sockets
 MiB = 2**20
 
 
-def gate_reads_from(peer: Peer, relay_id: PeerID, gate: asyncio.Event) -> None:
-    """``peer`` stops reading its connection to the relay until ``gate`` is set."""
+def gate_reads_from(peer: Peer, relay_id: PeerID, gate: asyncio.Event) -> asyncio.Task[None]:
+    """``peer`` stops reading its connection to the relay (its socket) until ``gate`` is set."""
     channel = in_use(peer, relay_id).channel
-    receive = channel.recv
+    assert isinstance(channel, FastWebSocketChannel)
+    transport = channel._transport
+    transport.pause_reading()
 
-    async def gated() -> bytes:
-        await asyncio.wait_for(gate.wait(), 30)
-        return await receive()
+    async def reopen() -> None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(gate.wait(), 30)
+        if not transport.is_closing():
+            transport.resume_reading()
 
-    channel.recv = gated  # type: ignore[method-assign]
+    return asyncio.ensure_future(reopen())
 
 
 async def wait_until(condition: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
@@ -90,13 +95,14 @@ async def test_many_slow_circuits_of_one_client_are_not_reset_at_default_limits(
     peers = [*destinations, client, relay]
     received: dict[PeerID, list[str]] = {d.peer_id: [] for d in destinations}
     gate = asyncio.Event()
+    gates: list[asyncio.Task[None]] = []
     try:
         (address,) = client.get_visible_addresses()
         for destination in destinations:
             handler = sink(received[destination.peer_id])
             destination.add_stream_handler("sink", handler)  # type: ignore[arg-type]
             assert await destination.connect(address, timeout=10) == client.peer_id
-            gate_reads_from(destination, relay.peer_id, gate)
+            gates.append(gate_reads_from(destination, relay.peer_id, gate))
         window = client.options.limits.receive_window
         # Two streams of one window each per circuit: the relay's hop to the destination takes
         # one window of credit, what is left piles up at the relay, unread, on the client's
@@ -124,6 +130,7 @@ async def test_many_slow_circuits_of_one_client_are_not_reset_at_default_limits(
         assert over < peak <= relay.options.relay_limits.peer_buffer
     finally:
         gate.set()
+        await asyncio.gather(*gates, return_exceptions=True)
         for peer in peers:
             await peer.shutdown()
 
@@ -147,13 +154,14 @@ async def test_a_client_flooding_circuits_to_destinations_that_never_read_is_bou
     peers = [outsider, honest, *stalled, *attackers, relay]
     never = asyncio.Event()
     floods: list[asyncio.Future[str]] = []
+    gates: list[asyncio.Task[None]] = []
     try:
         window = relay.options.limits.receive_window
         for target in stalled:
             target.add_stream_handler("sink", sink([]))  # type: ignore[arg-type]
             for attacker in attackers:
                 await attacker.connect(target.get_visible_addresses()[0], timeout=10)
-            gate_reads_from(target, relay.peer_id, never)
+            gates.append(gate_reads_from(target, relay.peer_id, never))
         # Each attacker: 4 circuits (its own CONNECT streams at the relay), 2 windows each.
         floods = [
             asyncio.ensure_future(push(attacker, target.peer_id, window, seed))
@@ -180,6 +188,7 @@ async def test_a_client_flooding_circuits_to_destinations_that_never_read_is_bou
             flood.cancel()
         await asyncio.gather(*floods, return_exceptions=True)
         never.set()
+        await asyncio.gather(*gates, return_exceptions=True)
         for peer in peers:
             with contextlib.suppress(PeerError):
                 await peer.shutdown()
