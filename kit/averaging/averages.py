@@ -33,6 +33,7 @@ from kit.averaging.chunk_stream import arrived_values, chunk_head, decode_chunk,
 from kit.averaging.compression import (
     CompressionBase,
     CompressionInfo,
+    Float16Compression,
     NoCompression,
     extract,
     reused_empty,
@@ -51,12 +52,17 @@ Encoded = tuple[bytes, memoryview | None]  # a chunk_head, then its payload (Non
 Sent = torch.Tensor | tuple[dict[str, Any], memoryview]  # a sender's chunk: values, or encoded
 
 
-def is_lossless(compression: CompressionBase, info: CompressionInfo) -> bool:
-    """Whether ``compression`` sends this chunk exactly (NoCompression, possibly adaptively)."""
+def leaf_codec(compression: CompressionBase, info: CompressionInfo) -> CompressionBase:
+    """The codec ``compression`` encodes this chunk with (adaptive codecs choose one)."""
     codec = compression
     while isinstance(codec, AdaptiveCompressionBase):
         codec = codec.choose_compression(info)
-    return isinstance(codec, NoCompression)
+    return codec
+
+
+def is_lossless(compression: CompressionBase, info: CompressionInfo) -> bool:
+    """Whether ``compression`` sends this chunk exactly (NoCompression, possibly adaptively)."""
+    return isinstance(leaf_codec(compression, info), NoCompression)
 
 
 class OutgoingAverages:
@@ -164,15 +170,22 @@ class OutgoingAverages:
         for sender in self.reducer.delivered[chunk]:
             mask |= self.sender_bits[sender]
         dtype = self.plan.tensors[spec.tensor_index].dtype
+        info = self.plan.compression_info(spec)
         values = averaged
-        if sent is not None:  # in float32 (float16 is widened exactly as it is subtracted)
-            sent = sent if sent.dtype == torch.float16 else sent.float()
-            values = reused_empty(spec.size, torch.float32)
-            add_widened(values, averaged, sent, alpha=-1.0)
-        values = values if dtype == torch.float32 else values.to(dtype)
         codec = UNCHECKED_RAW if sent is None and self._checked[chunk] else self.compression
+        serialized = None
         try:
-            serialized = codec.compress(values, self.plan.compression_info(spec))
+            if sent is not None:  # in float32 (float16 is widened exactly as it is subtracted)
+                sent = sent if sent.dtype == torch.float16 else sent.float()
+                leaf = leaf_codec(self.compression, info)
+                if type(leaf) is Float16Compression and dtype == torch.float32:
+                    serialized = leaf.compress_difference(averaged, sent, info)  # (no copy)
+                else:
+                    values = reused_empty(spec.size, torch.float32)
+                    add_widened(values, averaged, sent, alpha=-1.0)
+            if serialized is None:
+                values = values if dtype == torch.float32 else values.to(dtype)
+                serialized = codec.compress(values, info)
         except NonFiniteLocalTensor:  # the weighted sum overflowed: nobody gets this chunk
             return chunk_head({"chunk": chunk, "peers": 0}), None
         header, payload = serialized.header(), memoryview(serialized.buffer).cast("B")

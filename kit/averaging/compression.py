@@ -64,6 +64,7 @@ from kit.averaging.serialized import (
     check_layout,
     stats_rows,
 )
+from kit.averaging.widening import subtract_narrowed
 from kit.errors import ConfigError, NonFiniteLocalTensor, NonFiniteTensor
 from kit.p2p.payload_pool import MIN_POOLED, PAYLOADS
 
@@ -262,6 +263,26 @@ class Float16Compression(_LeafCodec):
                 half = half.clone()
             half.clamp_(-FP16_MAX, FP16_MAX)
         return _as_buffer(half.cpu().contiguous())
+
+    def compress_difference(
+        self, a: torch.Tensor, b: torch.Tensor, info: CompressionInfo | None = None
+    ) -> SerializedTensor:
+        """``compress(a - b)`` (``a`` flat float32 on the CPU, ``b`` float32 or float16 of its
+        length): the same bytes, the difference rounded once, without a float32 copy of it
+        (``widening.subtract_narrowed``). An exact Float16Compression only (the scaled one is a
+        subclass with its own encoding): anything else, or a difference that is not finite in
+        float16 (clamped, or refused), goes through ``compress``.
+
+        Raises:
+            NonFiniteLocalTensor: the difference holds NaN or ±inf.
+        """
+        if type(self) is not Float16Compression or a.dtype != torch.float32 or a.is_cuda:
+            return self.compress(a - b.to(a.dtype), info)
+        half = reused_empty(a.numel(), torch.float16)
+        subtract_narrowed(half, a, b)
+        if not is_finite(half):  # beyond float16's range (clamped), or NaN/inf (refused)
+            return self.compress(a - b.to(a.dtype), info)
+        return SerializedTensor(self.codec, "float32", tuple(a.shape), _as_buffer(half))
 
     @classmethod
     def _decode(cls, s: SerializedTensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """``out = a + alpha * b`` in float32 when ``a`` or ``b`` arrived as float16, without a full copy.
 
-Holds ``add_widened``. Float16 values are summed as they arrived (FLOAT16 chunks, and the
+Holds ``add_widened`` and ``subtract_narrowed`` (a float32 difference rounded to float16). Float16 values are summed as they arrived (FLOAT16 chunks, and the
 differences of hivemind's lossy deltas): an aggregator adds them into its float32 sums, a sender
 adds a difference to its own values, an aggregator subtracts what a sender sent. Given a float16
 and a float32 operand, torch widens the float16 one into a full-size float32 temporary first
@@ -16,6 +16,7 @@ import threading
 import torch
 
 SLICE = 1 << 16  # elements widened at once: 256 KiB of float32, well inside a core's L2
+SLICE_NARROWED = 1 << 18  # subtract_narrowed's: three passes over one slice (fastest measured)
 
 _NARROW = (torch.float16, torch.bfloat16)
 WIDE_FLOATS = (torch.float32, torch.float64)  # what float16 is widened to
@@ -45,10 +46,27 @@ def add_widened(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: floa
         torch.add(left, right, alpha=alpha, out=out[start:stop])
 
 
-def _scratch(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    buffers: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = _local.__dict__.setdefault(
-        "buffers", {}
+def subtract_narrowed(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out = a - b`` computed in ``a``'s dtype and rounded once into ``out``'s narrower one
+    (float16), a slice at a time: what ``(a - b.float()).half()`` gives, without its two
+    full-size temporaries (a sender's float16 difference to an average: ``kit.averaging.averages``;
+    3.3 ms per 2.25 M elements here against 5.5 ms, ``SLICE_NARROWED`` elements at once).
+
+    ``a`` is float32/float64, ``b`` of ``a``'s dtype or float16/bfloat16; all three flat, of one
+    length, on the CPU.
+    """
+    scratch = _scratch(a.dtype, SLICE_NARROWED)[0]
+    for start in range(0, len(out), SLICE_NARROWED):
+        stop = min(start + SLICE_NARROWED, len(out))
+        work = scratch[: stop - start].copy_(b[start:stop])
+        torch.sub(a[start:stop], work, out=work)
+        out[start:stop].copy_(work)
+
+
+def _scratch(dtype: torch.dtype, size: int = SLICE) -> tuple[torch.Tensor, torch.Tensor]:
+    buffers: dict[tuple[torch.dtype, int], tuple[torch.Tensor, torch.Tensor]] = (
+        _local.__dict__.setdefault("buffers", {})
     )
-    if dtype not in buffers:
-        buffers[dtype] = (torch.empty(SLICE, dtype=dtype), torch.empty(SLICE, dtype=dtype))
-    return buffers[dtype]
+    if (dtype, size) not in buffers:
+        buffers[dtype, size] = (torch.empty(size, dtype=dtype), torch.empty(size, dtype=dtype))
+    return buffers[dtype, size]

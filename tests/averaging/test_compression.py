@@ -369,3 +369,28 @@ def test_compress_leaves_the_input_alone() -> None:
     for cls in ALL:
         cls().compress(x)
     assert torch.equal(x, before)
+
+
+@pytest.mark.parametrize("sent_dtype", [torch.float16, torch.float32])
+def test_float16_difference_is_the_compressed_difference_byte_for_byte(
+    sent_dtype: torch.dtype,
+) -> None:
+    g = torch.Generator().manual_seed(3)
+    average = torch.randn(300_001, generator=g)
+    sent = (average + torch.randn(300_001, generator=g) * 0.1).to(sent_dtype)
+    codec = C.Float16Compression()
+    for a in (average, average * 1e5):  # within float16's range, then beyond it (clamped)
+        got = codec.compress_difference(a, sent)
+        want = codec.compress(a - sent.float())
+        assert got.header() == want.header()
+        assert bytes(memoryview(got.buffer).cast("B")) == bytes(memoryview(want.buffer).cast("B"))
+    poisoned = average.clone()
+    poisoned[123] = float("nan")
+    with pytest.raises(NonFiniteLocalTensor):
+        codec.compress_difference(poisoned, sent)
+    # the scaled codec (a subclass) encodes the difference its own way
+    scaled = C.ScaledFloat16Compression()
+    assert (
+        scaled.compress_difference(average, sent).header()
+        == scaled.compress(average - sent.float()).header()
+    )

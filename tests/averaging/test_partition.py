@@ -121,10 +121,12 @@ MIB = 2**20
     ("bandwidths", "part_sizes", "expected"),
     [
         ([None, 8e8], [4_500_000] * 2, 1),  # a member not measured yet: hivemind's 512 KiB
-        ([8e8, 8e8], [4_500_000] * 4, 4),  # loopback (~800 MB/s): as many as 8 chunks allow
+        ([8e8, 8e8], [4_500_000] * 4, 8),  # loopback (~800 MB/s): as many as 4 chunks allow
+        ([8e8, 8e8], [2_000_000] * 4, 2),  # a smaller vector: still 4 chunks per part
         ([8e8, 8e8], [50_000_000] * 4, 8),  # a large vector: capped at 8 x 512 KiB
         ([8e8, 6.25e6], [50_000_000] * 4, 1),  # one member on 50 Mbit/s: 512 KiB (wan.py)
-        ([8e8, 1.25e8], [50_000_000] * 4, 2),  # a 1 Gbit/s member: 1 MiB moves in ~10 ms
+        ([8e8, 1.25e7], [50_000_000] * 4, 1),  # on 100 Mbit/s: 512 KiB takes ~40 ms already
+        ([8e8, 1.25e8], [50_000_000] * 4, 4),  # a 1 Gbit/s member: 2 MiB moves in ~17 ms
         ([8e8, 8e8], [100_000, 0], 1),  # a small part: the pipeline needs several chunks
     ],
 )

@@ -1,11 +1,12 @@
-"""add_widened: float16 operands summed in float32, slice by slice, exactly as widened first."""
+"""add_widened and subtract_narrowed: float16 in float32 arithmetic, slice by slice, the same bits
+as widening first (and rounding once, at the end)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kit.averaging.widening import SLICE, add_widened
+from kit.averaging.widening import SLICE, SLICE_NARROWED, add_widened, subtract_narrowed
 
 
 @pytest.mark.parametrize("n", [0, 5, SLICE, 2 * SLICE + 3])
@@ -48,3 +49,18 @@ def test_other_mixes_are_one_torch_add() -> None:
     assert out.tolist() == [1.0, 1.5, 2.0, 2.5]
     add_widened(out, torch.ones(4, dtype=torch.float64), torch.ones(4).half())
     assert out.tolist() == [2.0] * 4
+
+
+@pytest.mark.parametrize("n", [0, 3, SLICE_NARROWED, 2 * SLICE_NARROWED + 5])
+@pytest.mark.parametrize("b_dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_a_difference_rounded_once_as_computed_in_float32(n: int, b_dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(n + 1)
+    a = torch.randn(n, generator=g) * 30
+    b = (a + torch.randn(n, generator=g) * 1e-2).to(b_dtype)  # close: a sender's values
+    out = torch.full((n,), float("nan"), dtype=torch.float16)
+    subtract_narrowed(out, a, b)
+    assert torch.equal(out, (a - b.float()).half())
+    if n:  # far apart too, out of float16's range: inf, as the cast gives it
+        far = torch.full((n,), 1e6)
+        subtract_narrowed(out, far, b)
+        assert torch.equal(out, (far - b.float()).half()) and torch.isinf(out).all()
