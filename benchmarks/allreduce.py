@@ -74,8 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="true",
         choices=["true", "false"],
         help="lossy codecs: each sender gets its own compressed difference (true: hivemind's "
-        "default) or one shared average encoded once (false: kit.Optimizer's gradients, and "
-        "what the tcp_butterfly floor does)",
+        "default) or one shared average encoded once (false: kit.Optimizer's gradients); the "
+        "tcp_butterfly floors do the same",
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads in each peer")
     parser.add_argument("--hosts", default="", help="comma list of per-peer listen IPs")
@@ -327,7 +327,10 @@ def run_references(
         else:
             work.copy_(own)
             safe = name == "safe_butterfly"
-            mesh.arm_butterfly(work, args.compression, args.barrier_timeout, safe=safe)
+            deltas = args.lossy_deltas == "true"
+            mesh.arm_butterfly(
+                work, args.compression, args.barrier_timeout, safe=safe, deltas=deltas
+            )
         barrier(args.run_dir, f"{name}{r}", args.index, args.peers, args.barrier_timeout)
         record[f"{name}_wall_start"] = time.time()
         cpu0, t0 = os.times(), time.perf_counter()

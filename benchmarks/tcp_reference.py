@@ -13,6 +13,11 @@ final buffers (``asyncio.BufferedProtocol``):
   as it is summed, decode the averages into the tensor. No protocol at all: no headers, no
   validation, no failure handling, no matchmaking. What remains between it and ``copy_round`` is
   the arithmetic and memory traffic any all-reduce must do on this machine.
+- ``butterfly_round(deltas=True)``: with a lossy codec, what the round sends back is each sender's
+  own rounded difference between the average and what it sent, added to its exact values
+  (hivemind's scheme, kit's ``lossy_deltas``): one encoding per sender instead of one shared, a
+  sum into the tensor instead of a copy. The least a butterfly with that result does, so that
+  kit's rounds with ``--lossy-deltas true`` meet a floor that computes what they compute.
 - ``butterfly_round(safe=True)`` (``vs_tcp_safe_butterfly``): the same, plus the passes a round
   that cannot be poisoned or half-applied needs (kit's guarantees): every part checked for
   NaN/inf before it is sent, every contribution before it is summed, every average before it is
@@ -162,11 +167,18 @@ class TcpMesh:
     # --- butterfly: the least a correct all-reduce does -------------------------------------
 
     def arm_butterfly(
-        self, work: torch.Tensor, codec: str, timeout: float, *, safe: bool = False
+        self,
+        work: torch.Tensor,
+        codec: str,
+        timeout: float,
+        *,
+        safe: bool = False,
+        deltas: bool = False,
     ) -> None:
         """Average ``work`` (flat float32, refilled by the caller) in the next butterfly round;
-        ``safe``: with the checks and the all-or-nothing commit (see the module)."""
-        self._butterfly = _Butterfly(self, work, codec, safe)
+        ``safe``: with the checks and the all-or-nothing commit; ``deltas``: each sender gets
+        its own rounded difference (a lossy codec only; see the module)."""
+        self._butterfly = _Butterfly(self, work, codec, safe, deltas)
         self._armed = self.runtime.call(self._butterfly.arm(), timeout=timeout)
 
     def butterfly_round(self, timeout: float) -> None:
@@ -189,18 +201,22 @@ class TcpMesh:
 class _Butterfly:
     """One round of a pipelined butterfly over the mesh: peer ``k`` reduces the ``k``-th part."""
 
-    def __init__(self, mesh: TcpMesh, work: torch.Tensor, codec: str, safe: bool) -> None:
+    def __init__(
+        self, mesh: TcpMesh, work: torch.Tensor, codec: str, safe: bool, deltas: bool
+    ) -> None:
         import torch
 
         self.mesh, self.work, self.n, self.me = mesh, work, mesh.n, mesh.index
         self.safe = safe
         self.wire = getattr(torch, BUTTERFLY_WIRE_DTYPES[codec])
+        self.deltas = deltas and self.wire != work.dtype  # (a lossless codec has none)
         numel = work.numel()
         self.bounds = [(k * numel // self.n, (k + 1) * numel // self.n) for k in range(self.n)]
         start, end = self.bounds[self.me]
         self.mine = work[start:end]
         self.contributions: dict[int, torch.Tensor] = {}
         self.averages: dict[int, torch.Tensor] = {}  # wire-typed landing buffers
+        self.differences: dict[int, torch.Tensor] = {}  # deltas: what each sender gets back
         self.reduced = 0  # elements of my part summed and sent back
         self.parts_sent = False  # averages follow the parts on each connection, never precede
 
@@ -216,6 +232,8 @@ class _Butterfly:
             else:
                 average = torch.empty(end - start, dtype=self.wire)
             self.contributions[j], self.averages[j] = contribution, average
+            if self.deltas:
+                self.differences[j] = torch.empty(self.mine.numel(), dtype=self.wire)
             segments = [_bytes_of(contribution), _bytes_of(average)]
             futures.append(inbox.expect(segments, self.reduce_ready))
         return futures
@@ -253,9 +271,17 @@ class _Butterfly:
                     continue  # a poisoned contribution is left out (kit drops that sender's)
                 total.add_(contribution[start:end])
             total.mul_(1.0 / self.n)
-            back = _bytes_of(total.to(self.wire))
-            for inbox in self.mesh.inboxes.values():
-                inbox.transport.write(back)  # type: ignore[attr-defined]
+            if self.deltas:  # rounded once, as kit does it (kit.averaging.widening)
+                from kit.averaging.widening import subtract_narrowed
+
+                for j, inbox in self.mesh.inboxes.items():
+                    difference = self.differences[j][start:end]
+                    subtract_narrowed(difference, total, self.contributions[j][start:end])
+                    inbox.transport.write(_bytes_of(difference))  # type: ignore[attr-defined]
+            else:
+                back = _bytes_of(total.to(self.wire))
+                for inbox in self.mesh.inboxes.values():
+                    inbox.transport.write(back)  # type: ignore[attr-defined]
             self.reduced = end
 
     def decode_averages(self) -> None:
@@ -263,7 +289,11 @@ class _Butterfly:
             return  # nothing is written: the tensor keeps its values (all or nothing)
         for j, average in self.averages.items():
             start, end = self.bounds[j]
-            if average.data_ptr() != self.work[start:end].data_ptr():
+            if self.deltas:  # our exact values plus our difference to the average
+                from kit.averaging.widening import add_widened
+
+                add_widened(self.work[start:end], self.work[start:end], average)
+            elif average.data_ptr() != self.work[start:end].data_ptr():
                 self.work[start:end].copy_(average)
 
 
