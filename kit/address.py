@@ -55,13 +55,14 @@ def b58decode(text: str) -> bytes:
 class PeerID:
     """A peer's identity: SHA-256 of its Ed25519 public key (32 bytes), printed in base58."""
 
-    __slots__ = ("_bytes",)
+    __slots__ = ("_base58", "_bytes")
     SIZE = 32
 
     def __init__(self, raw: bytes) -> None:
         if not isinstance(raw, bytes) or len(raw) != self.SIZE:
             raise ValueError(f"a PeerID is {self.SIZE} bytes, got {raw!r:.60}")
         self._bytes = raw
+        self._base58: str | None = None  # made once: every DHT reply prints our addresses
 
     @classmethod
     def from_public_key(cls, public_key: bytes) -> PeerID:
@@ -78,7 +79,9 @@ class PeerID:
         return self._bytes
 
     def to_base58(self) -> str:
-        return b58encode(self._bytes)
+        if self._base58 is None:
+            self._base58 = b58encode(self._bytes)
+        return self._base58
 
     def short(self) -> str:
         """A short form for logs: the last 6 base58 characters."""

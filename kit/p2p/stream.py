@@ -50,11 +50,19 @@ def message_bytes(message: Message) -> bytes:
     return parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(parts)
 
 
+#: ``asyncio.timeout`` (Python 3.11+): a deadline on the waiting task itself, where
+#: ``asyncio.wait_for`` wraps what it awaits in a task of its own (one per chunk a stream reads).
+_DEADLINE = getattr(asyncio, "timeout", None)
+
+
 async def wait_bounded(awaitable: Awaitable[T], timeout: float | None, what: str) -> T:
     """``await`` with an optional timeout that raises KitTimeout naming what was awaited."""
     if timeout is None:
         return await awaitable
     try:
+        if _DEADLINE is not None:
+            async with _DEADLINE(timeout):
+                return await awaitable
         return await asyncio.wait_for(awaitable, timeout)
     except asyncio.TimeoutError:
         raise KitTimeout(f"{what}: no progress within {timeout:.3g} s") from None
