@@ -1,8 +1,9 @@
 """``out = a + alpha * b`` in float32 when ``a`` or ``b`` arrived as float16, without a full copy.
 
-Holds ``add_widened`` and ``subtract_narrowed`` (a float32 difference rounded to float16). Float16 values are summed as they arrived (FLOAT16 chunks, and the
-differences of hivemind's lossy deltas): an aggregator adds them into its float32 sums, a sender
-adds a difference to its own values, an aggregator subtracts what a sender sent. Given a float16
+Holds ``add_widened`` and ``subtract_narrowed`` (a float32 difference rounded to float16).
+Float16 values are summed as they arrived (FLOAT16 chunks, and the differences of hivemind's
+lossy deltas): an aggregator adds them into its float32 sums, a sender adds a difference to its
+own values, an aggregator subtracts what a sender sent. Given a float16
 and a float32 operand, torch widens the float16 one into a full-size float32 temporary first
 (a fresh allocation, written then read back): 1.1 ms per million elements here against 0.35 ms
 for two float32 operands. Widening slice by slice into a small reused buffer that stays in the

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -192,11 +193,19 @@ class Connection:
         self._outbox.append(frame)
         self._outbox_ready.set()
 
+    def send_control(self, frame: Message) -> None:
+        """Send a frame that means nothing once the connection is gone (credit, the end or reset
+        of a stream): never raises. A channel found gone here closes the connection, as the
+        writer would, and whoever waits on its streams learns it from them."""
+        if not self._closed:
+            with contextlib.suppress(ConnectionLost):
+                self.enqueue(frame)
+
     def consumed(self, stream_id: int, size: int) -> None:
         """A stream's reader took ``size`` bytes: maybe return credit to the remote."""
         frame = self.mux.consumed(stream_id, size)
-        if frame is not None and not self._closed:
-            self.enqueue(frame)
+        if frame is not None:
+            self.send_control(frame)
 
     def forget_if_done(self, stream: Stream) -> None:
         """Drop a closed or reset stream (and close a draining connection left idle)."""
@@ -335,7 +344,7 @@ class Connection:
             if handler is not None:
                 handler.cancel()  # the opener gave up: stop working for it
         elif isinstance(event, StreamShed):
-            self.enqueue(event.frame)
+            self.send_control(event.frame)
             stream = self._streams.get(event.stream_id)
             self._log_shed(event, stream)
             handler = self._handler_by_stream.pop(event.stream_id, None)
@@ -345,7 +354,7 @@ class Connection:
                 stream.shed(StreamReset(ResetCode.MEMORY.value, MEMORY_RESET))
                 self.forget_if_done(stream)
         elif isinstance(event, SendFrame):
-            self.enqueue(event.data)
+            self.send_control(event.data)
         elif isinstance(event, GoAway):
             self._shutdown(
                 ConnectionLost(

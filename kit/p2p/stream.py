@@ -88,6 +88,8 @@ class StreamCarrier(Protocol):
 
     def enqueue(self, frame: Message) -> None: ...
 
+    def send_control(self, frame: Message) -> None: ...
+
     def consumed(self, stream_id: int, size: int) -> None: ...
 
     def forget_if_done(self, stream: Stream) -> None: ...
@@ -230,7 +232,7 @@ class Stream:
             return
         frame = self.connection.mux.close_frame(self.stream_id)
         if frame is not None:
-            self.connection.enqueue(frame)
+            self.connection.send_control(frame)
         self.connection.forget_if_done(self)
 
     def reset(self, code: str | ResetCode = ResetCode.CANCELLED, message: str = "") -> None:
@@ -241,7 +243,7 @@ class Stream:
             return
         frame = self.connection.mux.reset_frame(self.stream_id, code, message)
         if frame is not None:
-            self.connection.enqueue(frame)
+            self.connection.send_control(frame)
         self.connection.forget_if_done(self)
 
     async def __aenter__(self) -> Stream:

@@ -1,4 +1,5 @@
-"""The memory budget on real sockets: peers that send what nobody reads, and peers that do not."""
+"""Connections on real sockets: the memory budget (peers that send what nobody reads, and peers
+that do not), and a reader whose socket dies under it."""
 
 from __future__ import annotations
 
@@ -177,3 +178,32 @@ async def test_heavy_traffic_that_is_read_is_never_reset() -> None:
             connection = receiver.connection(peer.peer_id)
             assert connection is not None and connection.mux.shed_count == 0
         assert receiver.buffer_ledger.peak <= 6 * 8 * MIB  # at most a window per stream
+
+
+async def test_a_reader_keeps_what_arrived_when_the_socket_dies_under_its_credit() -> None:
+    """The transport is closing but the connection has not heard yet: the credit a read returns
+    cannot go out (``send_now`` raises). The read still returns what had arrived, reset never
+    raises, and the connection closes."""
+    outcome: list[object] = []
+    done = asyncio.Event()
+
+    async def handler(stream: StreamAPI) -> None:
+        try:
+            await asyncio.sleep(0.5)  # the whole message is buffered in the stream by now
+            connection = stream.connection  # type: ignore[attr-defined]
+            connection.channel._transport.abort()  # the socket dies; its loss is not seen yet
+            message = await stream.receive_message(max_size=4 * MIB, timeout=5)
+            outcome.append(len(message) if message is not None else None)
+            stream.reset()  # never raises, even now
+            outcome.append(connection.closed)
+        except Exception as e:  # the test reports it
+            outcome.append(e)
+        finally:
+            done.set()
+
+    async with started({}, {}) as (a, b):
+        b.add_stream_handler("credit", handler)  # type: ignore[arg-type]
+        stream = await a.open_stream(b.peer_id, "credit", timeout=10)
+        await stream.send_message(b"\2" * (3 * MIB), timeout=10)  # past a quarter window: credit
+        await asyncio.wait_for(done.wait(), 10)
+        assert outcome == [3 * MIB, True]
