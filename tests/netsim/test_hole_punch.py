@@ -158,7 +158,7 @@ def test_hole_punch_fails_behind_a_symmetric_nat_and_that_peer_stops_aggregating
             sim,
             [h.name for h in hosts],
             size_mb=4.0,
-            rounds=6,
+            rounds=8,  # 6 left exactly 3 failed punches by the end, and none in time under load
             client_mode=(*names, "sym"),
             finals=finals,
             pause=4.0,  # each failed punch takes PUNCH_SECONDS; the rounds go on meanwhile
@@ -166,7 +166,7 @@ def test_hole_punch_fails_behind_a_symmetric_nat_and_that_peer_stops_aggregating
         )
     assert all(row["ok"] for row in table), table
     sym = finals["sym"]
-    assert sym["can_accept"] is False and sym["punch"]["punched"] == 0, finals
+    assert sym["can_accept"] is False and sym["punch"]["punched"] == 0, sym
     assert sym["punch"]["failed"] >= 3, finals
     last = table[-1]["part_sizes"]
     # The whole vector is aggregated by the others, punched NAT'd peers among them. Not
