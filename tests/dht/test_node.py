@@ -357,12 +357,14 @@ def test_republish_puts_own_records_back_when_all_their_replicas_left(
                     break
             expiration = get_dht_time() + 60
             assert await publisher.store(key, "mine", expiration)
-            assert publisher not in holders(swarm.nodes, key)
-            for holder in holders(swarm.nodes, key):
+            replicas = holders(swarm.nodes, key)
+            assert replicas and publisher not in replicas
+            # the publisher republishes every 200 ms, so it may already have put the record on a
+            # new nearest node between the two stops: only the originals are known to be gone
+            for holder in replicas:
                 await swarm.stop_node(holder)
-            assert holders(swarm.nodes, key) == []
-            for _ in range(100):
-                if holders(swarm.nodes, key):
+            for _ in range(150):  # both stores of one republish land at their own times
+                if len(holders(swarm.nodes, key)) == 2:
                     break
                 await asyncio.sleep(20 * MS)
             assert len(holders(swarm.nodes, key)) == 2
