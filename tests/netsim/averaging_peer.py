@@ -150,6 +150,7 @@ def run_rounds(
     client_mode: Sequence[str] = (),
     finals: dict[str, Any] | None = None,
     pause: float = 0.0,
+    punch_seconds: float | None = None,
     timeout: float = 180.0,
 ) -> list[dict[str, Any]]:
     """Run one averaging peer in each of ``hosts`` for ``rounds`` rounds.
@@ -163,6 +164,8 @@ def run_rounds(
             entry: left to the averager's own measurement.
         client_mode: hosts whose peers run in client mode (behind their NAT; never peer 0).
         pause: seconds each peer waits before each round (background work goes on meanwhile).
+        punch_seconds: how long a hole punch keeps trying (``kit.p2p.hole_punch.PUNCH_SECONDS``,
+            8 s): shorter where punches are expected to fail, so that the scenario is shorter.
         finals: filled with each host's peer at the end: its hole-punch counters (``punch``)
             and whether others could connect to it directly (``can_accept``).
         timeout: for the whole run.
@@ -187,6 +190,8 @@ def run_rounds(
             args.append("--client-mode")
         if pause:
             args.append(f"--pause={pause}")
+        if punch_seconds is not None:
+            args.append(f"--punch-seconds={punch_seconds}")
         processes.append(sim.python(host, MODULE, *args))
     results = []
     give_up = time.monotonic() + timeout
@@ -238,7 +243,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-matchmaking-time", type=float, default=2.0)
     parser.add_argument("--client-mode", action="store_true", help="no listening socket (NAT)")
     parser.add_argument("--pause", type=float, default=0.0, help="seconds before each round")
+    parser.add_argument("--punch-seconds", type=float, default=None, help="a punch's duration")
     args = parser.parse_args(argv)
+    if args.punch_seconds is not None:
+        from kit.p2p import hole_punch
+
+        hole_punch.PUNCH_SECONDS = args.punch_seconds
     print(json.dumps(run_peer(args)), flush=True)
     return 0
 
