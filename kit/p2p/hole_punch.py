@@ -242,6 +242,9 @@ class HolePuncher:
         # not be able to make us dial or punch over and over (nor at addresses of its choice).
         self._last: dict[PeerID, float] = {}
         self._initiating: set[PeerID] = set()  # our upgrades in flight (both may ask at once)
+        # Smaller peers whose "busy" ended our attempt: theirs goes on, and its request may reach
+        # us only after ours ended (a loaded machine). It is still served, once (see ``_serve``).
+        self._yielded: set[PeerID] = set()
         peer.add_stream_handler(PROTOCOL, self._serve)
 
     @property
@@ -304,6 +307,8 @@ class HolePuncher:
             answer = await _receive(stream, 10.0)
             if answer.get("busy") is True:
                 await stream.close()
+                if remote < peer.peer_id and len(self._yielded) < 10_000:  # (bounded)
+                    self._yielded.add(remote)  # its own attempt goes on: serve it when it comes
                 return None
             rtt = time.monotonic() - began
             theirs = _unpack(answer.get("addrs"))
@@ -340,8 +345,11 @@ class HolePuncher:
         request = await _receive(stream, 10.0)
         # Both sides often ask at once (each dialed the other through the relay): then the
         # attempt of the smaller peer id goes on, and the other side serves it (its own attempt
-        # is declined as busy). Otherwise, one attempt per RETRY_AFTER.
-        collides = remote in self._initiating and remote < peer.peer_id
+        # is declined as busy). Otherwise, one attempt per RETRY_AFTER. The smaller side's request
+        # can arrive after its "busy" already ended our attempt: served all the same (found under
+        # load: both sides answered "busy" and the pair kept its relay for RETRY_AFTER).
+        collides = remote < peer.peer_id and (remote in self._initiating or remote in self._yielded)
+        self._yielded.discard(remote)
         if not collides and not self._allowed(remote):
             await _send(stream, {"addrs": [], "reversed": False, "busy": True})
             return

@@ -135,6 +135,40 @@ async def test_a_failed_punch_leaves_the_relayed_connection_and_gives_up_after_t
             await peer.shutdown()
 
 
+async def test_crossed_requests_still_punch_when_the_busy_answer_comes_first() -> None:
+    """Both sides ask at once; the larger side's request reaches the smaller one first and is
+    declined as busy, which ends the larger side's attempt before the smaller side's request
+    reaches it (a loaded machine). That request is served all the same: the pair punches, it is
+    not left on the relay for RETRY_AFTER with no verdict on either side."""
+    relay, first = await relay_and_client()
+    second = await create_peer(relay.get_visible_addresses(), run_id="test", client_mode=True)
+    small, large = sorted((first, second), key=lambda p: p.peer_id)
+    try:
+        assert small.puncher is not None and large.puncher is not None
+        # No automatic upgrade when large dials small through the relay: the test drives it.
+        large.puncher._last[small.peer_id] = time.monotonic()
+        (address,) = small.get_visible_addresses()
+        await large.connect(address, timeout=5)
+        # small is in its own attempt: large's request is declined as busy.
+        small.puncher._last[large.peer_id] = time.monotonic()
+        small.puncher._initiating.add(large.peer_id)
+        large.puncher._last.pop(small.peer_id)
+        assert await large.puncher.upgrade(small.peer_id) is False
+        assert large.puncher.tried == 0 and not direct(large, small.peer_id)
+        # small's request now arrives, after large's attempt ended: served, and it punches.
+        small.puncher._initiating.discard(large.peer_id)
+        small.puncher._last.pop(large.peer_id)
+        assert await small.puncher.upgrade(large.peer_id) is True
+        await wait_until(lambda: direct(large, small.peer_id), "the direct connection")
+        assert large.puncher.tried == 1 and small.puncher.punched == 1
+        # Served once: another request from small within RETRY_AFTER is declined again.
+        small.puncher._last.pop(large.peer_id)
+        assert await small.puncher.upgrade(large.peer_id) is False
+    finally:
+        for peer in (second, first, relay):
+            await peer.shutdown()
+
+
 async def test_garbage_and_repeated_requests_are_refused_without_harm() -> None:
     relay, alice = await relay_and_client()
     bob = await create_peer(relay.get_visible_addresses(), run_id="test", client_mode=True)
