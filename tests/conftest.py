@@ -26,6 +26,17 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "async_timeout(seconds): time limit of an async test")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's worker reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Groups for pytest-xdist's ``--dist loadgroup`` (setup.cfg): a test module runs whole on one
+    worker, so its module-scoped fixtures are built once; the tests that judge ``demo_run`` share
+    one worker, so the session's one ``kit demo`` run stays one."""
+    for item in items:
+        fixtures = getattr(item, "fixturenames", ())
+        group = "demo_run" if "demo_run" in fixtures else item.nodeid.split("::", 1)[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if not inspect.iscoroutinefunction(pyfuncitem.obj):
