@@ -78,6 +78,7 @@ def test_a_token_signed_by_another_key_is_forged() -> None:
         ("run", "other"),
         ("exp", NOW + 9e9),
     ],
+    ids=["user", "pk", "run", "exp"],  # (not the random key: pytest-xdist's workers must agree)
 )
 def test_changing_any_signed_field_breaks_the_signature(field: str, value: object) -> None:
     tampered = AccessToken.from_bytes(wire(**{field: value}))

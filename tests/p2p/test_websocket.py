@@ -74,6 +74,8 @@ def test_close_frame_is_answered() -> None:
         (websockets_frame(Opcode.CONT, b"x"), MalformedFrame),  # continuation without a start
         (frame_header(OP_BINARY, 2048, b"abcd"), FrameTooLarge),
     ],
+    # (named: the random masks would give each pytest-xdist worker other test ids)
+    ids=["text", "unmasked", "reserved-bit", "fragmented-ping", "lone-continuation", "too-large"],
 )
 def test_protocol_errors(frame: bytes, error: type[Exception]) -> None:
     reader = FrameReader(expect_masked=True, max_size=1024)
