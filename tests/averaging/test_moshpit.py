@@ -34,7 +34,7 @@ def weighted_mean(members: Sequence[int], weights: Sequence[float]) -> torch.Ten
     [
         (64, 16, dict(min_matchmaking_time=5.0, request_timeout=3.0)),
         (128, 128, dict(min_matchmaking_time=10.0, request_timeout=5.0)),
-        (256, 32, dict(min_matchmaking_time=30.0, request_timeout=15.0)),
+        (256, 32, dict(min_matchmaking_time=60.0, request_timeout=30.0)),
     ],
 )
 @pytest.mark.async_timeout(300)
@@ -46,8 +46,9 @@ async def test_hundreds_of_peers_stepping_at_once_form_full_groups(
     matchmaking times are generous because these peers share one CPU (a poll of 256
     declarations by 256 peers is 16x the work of 64): on the Internet each has its own. At 256
     that CPU is saturated (the event loop lags 3-4 s behind on a slower CI machine: views settle
-    late and one chunk split, 31 + 19 + 14, with 15 s / 8 s); full groups begin at once, so the
-    slack costs nothing when all goes well."""
+    late and one chunk split, 31 + 19 + 14, with 15 s / 8 s; 29 + 29 + ... with 30 s / 15 s while
+    the other pytest-xdist worker ran its own tests); full groups begin at once, so the slack
+    costs nothing when all goes well (60 s / 30 s: passes here with two busy loops beside it)."""
     import scipy.optimize  # noqa: F401 (the leaders' LP: imported once, not inside a round)
 
     network = MemoryNetwork()
