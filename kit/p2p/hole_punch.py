@@ -65,6 +65,7 @@ PUNCH_SECONDS = 8.0  # how long the two sides keep sending SYNs at each other
 ATTEMPT_SECONDS = 1.5  # one connect attempt (the kernel's first SYN retransmission is at 1 s)
 UPGRADE_TIMEOUT = 20.0  # the whole upgrade, coordination included
 RETRY_AFTER = 60.0  # s before another upgrade with the same peer (either side asking)
+OFFER_WAIT = 5.0  # s either side waits for a relay to tell where our NAT shows us (start-up)
 HOPELESS_AFTER = 3  # failed punches, none ever working: this NAT gives no way in (symmetric)
 
 Endpoint = tuple[str, int]  # (IP address, TCP port)
@@ -297,9 +298,9 @@ class HolePuncher:
     async def _upgrade(self, remote: PeerID) -> bool | None:
         peer = self.peer
         listen = [] if peer.client_mode else _direct(peer.get_visible_addresses())
-        mine = peer.observed_endpoints() if peer.client_mode else []
+        mine = await self._observed() if peer.client_mode else []
         if not listen and (not mine or peer.punch_port is None):
-            return None  # nothing the other side could reach (yet): stay relayed, no verdict
+            return None  # nothing the other side could reach: stay relayed, no verdict
         stream = await peer.open_stream(remote, PROTOCOL, timeout=10.0)
         try:
             began = time.monotonic()
@@ -338,6 +339,19 @@ class HolePuncher:
         logger.info("direct connection to %s (hole punched at %s:%d)", remote.short(), *where)
         return True
 
+    async def _observed(self) -> list[Endpoint]:
+        """Where relays see our punch port. A peer that dials, or is asked, right after it
+        started may have no relay's answer yet: wait for one (at most ``OFFER_WAIT``) rather
+        than spend this pair's attempt, and its ``RETRY_AFTER``, on no verdict (the relayed
+        dial is the only trigger)."""
+        peer = self.peer
+        deadline = time.monotonic() + OFFER_WAIT
+        mine = peer.observed_endpoints()
+        while not mine and peer.punch_port is not None and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+            mine = peer.observed_endpoints()
+        return mine
+
     # --- the responder ----------------------------------------------------------------------
 
     async def _serve(self, stream: Stream) -> None:
@@ -359,7 +373,7 @@ class HolePuncher:
             await _send(stream, {"reversed": reversed_})
             return
         theirs = _unpack(request.get("addrs"))
-        mine = peer.observed_endpoints()
+        mine = await self._observed() if theirs else []  # (within the initiator's 10 s wait)
         if not theirs or not mine or peer.punch_port is None:
             await _send(stream, {"addrs": []})
             return

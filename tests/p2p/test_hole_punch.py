@@ -169,6 +169,32 @@ async def test_crossed_requests_still_punch_when_the_busy_answer_comes_first() -
             await peer.shutdown()
 
 
+async def test_an_upgrade_waits_for_the_relays_answer_of_where_our_nat_shows_us() -> None:
+    """A peer that dials through the relay before its relay told it where its NAT shows it
+    (just started): the upgrade waits for that answer instead of ending with no verdict and
+    leaving the pair on the relay for RETRY_AFTER."""
+    relay, alice = await relay_and_client()
+    bob = await create_peer(relay.get_visible_addresses(), run_id="test", client_mode=True)
+    try:
+        assert bob.relay_client is not None and bob.puncher is not None
+        observed, bob.relay_client.observed = bob.relay_client.observed, []
+        assert observed and bob.observed_endpoints() == []
+
+        async def the_answer_arrives() -> None:
+            await asyncio.sleep(0.5)
+            bob.relay_client.observed = observed  # type: ignore[union-attr]
+
+        arrives = asyncio.create_task(the_answer_arrives())
+        (address,) = alice.get_visible_addresses()
+        await bob.connect(address, timeout=5)
+        await wait_until(lambda: direct(bob, alice.peer_id), "bob's direct connection")
+        await arrives
+        assert bob.puncher.statistics() == {"tried": 1, "reversed": 0, "punched": 1, "failed": 0}
+    finally:
+        for peer in (bob, alice, relay):
+            await peer.shutdown()
+
+
 async def test_garbage_and_repeated_requests_are_refused_without_harm() -> None:
     relay, alice = await relay_and_client()
     bob = await create_peer(relay.get_visible_addresses(), run_id="test", client_mode=True)
