@@ -71,6 +71,15 @@ HOPELESS_AFTER = 3  # failed punches, none ever working: this NAT gives no way i
 Endpoint = tuple[str, int]  # (IP address, TCP port)
 
 
+def _stamp(table: dict[PeerID, float], remote: PeerID, now: float) -> None:
+    """Note when ``remote`` last did something, in a table bounded by forgetting the oldest (a
+    peer must not grow our memory by showing up under new ids)."""
+    table.pop(remote, None)  # (re-inserted last: the order stays oldest first)
+    if len(table) >= 10_000:
+        table.pop(next(iter(table)))
+    table[remote] = now
+
+
 def supported() -> bool:
     """Hole punching needs several sockets bound to one port (``SO_REUSEPORT``: Linux, macOS)."""
     return hasattr(socket, "SO_REUSEPORT") and sys.platform != "win32"
@@ -243,9 +252,10 @@ class HolePuncher:
         # not be able to make us dial or punch over and over (nor at addresses of its choice).
         self._last: dict[PeerID, float] = {}
         self._initiating: set[PeerID] = set()  # our upgrades in flight (both may ask at once)
-        # Smaller peers whose "busy" ended our attempt: theirs goes on, and its request may reach
-        # us only after ours ended (a loaded machine). It is still served, once (see ``_serve``).
-        self._yielded: set[PeerID] = set()
+        # Smaller peers whose "busy" ended our attempt, and when: theirs goes on, and its request
+        # may reach us only after ours ended (a loaded machine). It is still served, once, if it
+        # comes within UPGRADE_TIMEOUT (see ``_serve``).
+        self._yielded: dict[PeerID, float] = {}
         peer.add_stream_handler(PROTOCOL, self._serve)
 
     @property
@@ -260,9 +270,7 @@ class HolePuncher:
         now = time.monotonic()
         if now - self._last.get(remote, -RETRY_AFTER) < RETRY_AFTER:
             return False
-        if len(self._last) > 10_000:  # bounded: forget the oldest
-            self._last.pop(next(iter(self._last)))
-        self._last[remote] = now
+        _stamp(self._last, remote, now)
         return True
 
     def statistics(self) -> dict[str, int]:
@@ -308,8 +316,8 @@ class HolePuncher:
             answer = await _receive(stream, 10.0)
             if answer.get("busy") is True:
                 await stream.close()
-                if remote < peer.peer_id and len(self._yielded) < 10_000:  # (bounded)
-                    self._yielded.add(remote)  # its own attempt goes on: serve it when it comes
+                if remote < peer.peer_id:  # its own attempt goes on: serve it when it comes
+                    _stamp(self._yielded, remote, time.monotonic())
                 return None
             rtt = time.monotonic() - began
             theirs = _unpack(answer.get("addrs"))
@@ -362,8 +370,8 @@ class HolePuncher:
         # is declined as busy). Otherwise, one attempt per RETRY_AFTER. The smaller side's request
         # can arrive after its "busy" already ended our attempt: served all the same (found under
         # load: both sides answered "busy" and the pair kept its relay for RETRY_AFTER).
-        collides = remote < peer.peer_id and (remote in self._initiating or remote in self._yielded)
-        self._yielded.discard(remote)
+        yielded = time.monotonic() - self._yielded.pop(remote, -UPGRADE_TIMEOUT) < UPGRADE_TIMEOUT
+        collides = remote < peer.peer_id and (remote in self._initiating or yielded)
         if not collides and not self._allowed(remote):
             await _send(stream, {"addrs": [], "reversed": False, "busy": True})
             return
