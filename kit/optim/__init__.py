@@ -8,6 +8,7 @@ Read in this order: ``epochs`` (the epoch life of a peer: a pure state machine) 
 ``grad_scaling`` (fp16 loss scales: any torch GradScaler, hivemind's ``GradScaler``) →
 ``rounds`` (the gradient rounds, tagged with their epoch) →
 ``sharing`` (publishing the state, downloading it, refreshing it in the background) →
+``landing`` (where a state lands: ours served, a donor's loaded, a refresh, a download) →
 ``driver`` (feeds the epoch machine, carries out its actions) →
 ``arguments`` (hivemind's arguments: accepted, refused) →
 ``optimizer`` (``kit.Optimizer``: the public API, its parts composed).

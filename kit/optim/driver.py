@@ -5,7 +5,8 @@ flag drift) are the pure machine's (``kit.optim.epochs``); this module gives it 
 clock's ``now`` and the tracker's view, and acts with the optimizer's parts: the accumulator
 (``kit.optim.accumulation``), the gradient rounds (``kit.optim.rounds``), the inner optimizer
 (``kit.optim.stepping``), parameter rounds (``kit.optim.state_averaging``) and state sharing
-(``kit.optim.sharing``). It does not hold the public API (``kit.optim.optimizer``).
+(``kit.optim.sharing``, through its :class:`~kit.optim.landing.StateLanding`: where a state lands).
+It does not hold the public API (``kit.optim.optimizer``).
 
 Safe points: background work (a delayed optimizer step, a parameter round, a refresh download)
 lands only at the start of ``step`` (the caller's backward is done and its next forward has not
@@ -14,7 +15,6 @@ begun) or when the optimizer must be settled (a global step, a download, ``state
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import math
 import time
@@ -25,31 +25,27 @@ from kit.averaging.grid import search_window
 from kit.optim.accumulation import GradientAccumulator, all_finite
 from kit.optim.epoch_actions import (
     Action,
-    AddRefreshDelta,
     AverageGradients,
     CancelPrefetch,
     DropAccumulated,
     FlagDrift,
-    LoadRefresh,
     Publish,
     ReportProgress,
     StartRefresh,
     StepWithoutRound,
 )
-from kit.optim.epochs import MAX_FAST_FORWARD, EpochLife, Phase, Position, Refresh, Report
+from kit.optim.epochs import EpochLife, Phase, Position, Refresh, Report
 from kit.optim.grad_scaling import current_scale, found_inf_tensor, hold_growth, record_check
+from kit.optim.landing import StateLanding
 from kit.optim.progress import ProgressTracker
 from kit.optim.rounds import GradientRounds, RoundOutcome, group_bits
 from kit.optim.sharing import StateSharing
 from kit.optim.splits import TAG_BYTES, RoundTag, SplitWatch
-from kit.optim.state import StateSnapshot
 from kit.optim.state_averaging import AveragedTensors, DelayedStateAveraging, state_averaging_needed
 from kit.optim.stepping import InnerOptimizer
 from kit.runtime import Runtime
 
 logger = logging.getLogger(__name__)
-
-PROGRESS_LOOK_TIMEOUT = 5.0  # a joiner's look at the progress before its first step, at most
 
 
 class EpochDriver:
@@ -109,7 +105,6 @@ class EpochDriver:
         self.delay_state_averaging: bool = options["delay_state_averaging"]
         self.average_state_every: int = options["average_state_every"]
         self.matchmaking_time: float = options["matchmaking_time"]
-        self.load_state_timeout: float = options["load_state_timeout"]
         self.verbose: bool = options["verbose"]
         # False when this peer's inner optimizer computes differently from the others' (8-bit
         # statistics chosen by its memory plan): its steps are never bit-identical to theirs,
@@ -121,6 +116,20 @@ class EpochDriver:
         self._step_ended: float | None = None  # when the last step() returned (perf_counter)
         self.splits = SplitWatch()  # did a recent round of ours split from a larger group?
         self._splits_checked: tuple[Any, ...] | None = None  # (records, tags) last checked
+        self.landing = StateLanding(  # serves, loads and downloads the state
+            life=life,
+            inner=inner,
+            accumulated=accumulated,
+            tracker=tracker,
+            sharing=sharing,
+            state_round=state_round,
+            averaged=averaged,
+            runtime=runtime,
+            act=self.act,
+            finish_step=lambda: self.finish_optimizer_step(wait=None),
+            auxiliary=self.auxiliary,
+            load_state_timeout=options["load_state_timeout"],
+        )
 
     # --- a step -----------------------------------------------------------------------------
 
@@ -138,7 +147,7 @@ class EpochDriver:
             self.global_step()  # local updates: a peer a moment ahead counted our samples
             position = self._position()
         if position is Position.DOWNLOAD_FIRST:
-            self.load_from_peers()  # a fresh peer, or too far behind: catch up first
+            self.landing.load_from_peers()  # a fresh peer, or too far behind: catch up first
             self._step_ended = None  # the download is no training time
             return
         if position is Position.FAST_FORWARD:
@@ -274,7 +283,7 @@ class EpochDriver:
                 self._average(action)
             elif isinstance(action, StepWithoutRound):
                 self._step_inner(apply=False)
-            else:  # LoadRefresh, AddRefreshDelta: with the landed state (apply_refresh)
+            else:  # LoadRefresh, AddRefreshDelta: with the landed state (landing.apply_refresh)
                 raise AssertionError(f"{action} needs a landed state")
 
     # --- safe points ------------------------------------------------------------------------
@@ -283,7 +292,7 @@ class EpochDriver:
         """The safe point: apply whatever finished in the background (never blocks)."""
         self.finish_optimizer_step(wait=0.0)
         self.finish_state_round(wait=0.0)
-        self.apply_refresh()
+        self.landing.apply_refresh()
 
     def finish_optimizer_step(self, wait: float | None) -> None:
         """Apply a delayed optimizer step if it is over (``wait``: as ``InnerOptimizer.finish``)."""
@@ -310,7 +319,7 @@ class EpochDriver:
         if self.state_round.moves_parameters and not self.delay_state_averaging:
             self.finish_state_round(wait=None)  # lands now, and serves the averaged state
         else:
-            self.publish_state()
+            self.landing.publish_state()
 
     def _begin_parameter_round(self) -> None:
         """Begin the parameter round of our epoch if one is due."""
@@ -401,7 +410,7 @@ class EpochDriver:
         )
         if snapshot is not None:
             self.finish_optimizer_step(wait=None)  # (local updates: a scheduler step in flight)
-            self.load(snapshot, keep_accumulated=False)
+            self.landing.load(snapshot, keep_accumulated=False)
         self.act(self.life.drifted_by())
         return True
 
@@ -427,115 +436,7 @@ class EpochDriver:
             # gave the donor, we did not all get.
             self.act(self.life.drifted_by())
         if moves:
-            self.publish_state()  # it was served marked as still moving
-
-    # --- the state --------------------------------------------------------------------------
-
-    def publish_state(self, *, even_auxiliary: bool = False) -> None:
-        """Serve the state now, marked with the parameter round that will still move it (the
-        delta of a running round lands on these tensors later: see ``load``)."""
-        if self.auxiliary and not even_auxiliary:
-            return  # an auxiliary peer's parameters are not trained: nothing to share
-        moving = self.state_round.epoch if self.state_round.moves_parameters else None
-        self.sharing.publish(self.life.epoch, drifted=self.life.drifted, averaging_round=moving)
-
-    def load(self, snapshot: StateSnapshot, *, keep_accumulated: bool) -> None:
-        """Load a state. ``keep_accumulated``: it is of our current epoch, and what we
-        accumulated toward it stays (computed on one-step-old parameters: DeDLOC tolerates it).
-
-        A parameter round of ours still running averaged the parameters we had before, and a
-        donor's state may still be moved by its own round (the state says which). Round and
-        state must agree, or we hold parameters nobody has, flagged in sync (the churn test of
-        tests/optim/test_optimizer.py ended ~1e-3 apart: a joiner took a donor's state just
-        before their common round averaged it with the joiner's drifted parameters):
-
-        * the donor averages in the same round as we do: our round's delta is taken from the
-          loaded tensors, so we land where the donor lands;
-        * the state is settled: our round is not applied to it (it runs on for the others);
-        * the donor's round is not ours: we cannot follow it, so we are flagged drifted.
-        """
-        pending = self.sharing.load(snapshot)  # the donor's round that will still move it
-        # (captured as the round began: a donor's later steps would be missing from its delta)
-        same_round = pending == snapshot.epoch == self.state_round.epoch
-        if same_round and self.state_round.moves_parameters:
-            self.state_round.rebase(self.averaged.current())
-        else:
-            same_round = False
-            self.state_round.forget()
-        logger.debug(
-            "loaded the state of epoch %d (its parameter round: %s, ours: %s, followed: %s)",
-            snapshot.epoch,
-            pending,
-            self.state_round.epoch if self.state_round.running else None,
-            same_round,
-        )
-        samples = self.accumulated.samples
-        self.act(self.life.state_loaded(snapshot.epoch, samples, keep_accumulated=keep_accumulated))
-        if pending is not None and not same_round:
-            self.act(self.life.drifted_by())
-        self.publish_state()
-
-    def apply_refresh(self) -> None:
-        """Land a finished background download as the epoch machine says."""
-        if not self.sharing.refreshing or self.inner.pending:
-            return
-        landed, snapshot = self.sharing.refresh_landed()
-        if not landed:
-            return
-        old = snapshot is not None and snapshot.epoch < self.life.epoch
-        actions = self.life.refresh_landed(snapshot.epoch if snapshot is not None else None)
-        logger.debug(
-            "a downloaded state of epoch %s landed at epoch %d: %s",
-            snapshot.epoch if snapshot is not None else None,
-            self.life.epoch,
-            actions,
-        )
-        if old and snapshot is not None and AddRefreshDelta() not in actions:
-            logger.info("the downloaded state (epoch %d) is already old", snapshot.epoch)
-        for action in actions:
-            if isinstance(action, LoadRefresh):
-                assert snapshot is not None
-                self.load(snapshot, keep_accumulated=action.keep_accumulated)
-            elif isinstance(action, AddRefreshDelta):
-                assert snapshot is not None
-                self.sharing.add_refresh_delta(snapshot, self.life.epoch - snapshot.epoch)
-            else:
-                self.act([action])
-
-    def load_from_peers(self, timeout: float | None = None) -> bool:
-        """``kit.Optimizer.load_state_from_peers`` (see there)."""
-        started = time.perf_counter()
-        self.finish_optimizer_step(wait=None)
-        self.sharing.cancel_refresh()
-        self.act(self.life.downloading_first())
-        timeout = timeout or self.load_state_timeout
-        snapshot = self.sharing.take_prefetch(timeout)  # begun in __init__: current unless...
-        # ...the collaboration moved on. A few epochs old is as good as a new download, which
-        # epochs shorter than a download overtake too: the first step joins the current epoch
-        # and refreshes in the background (a fast-forward).
-        behind = self.tracker.global_progress.epoch - snapshot.epoch if snapshot else 0
-        if behind > MAX_FAST_FORWARD:
-            snapshot = None
-        if snapshot is None:
-            snapshot = self.sharing.download(timeout)
-        if snapshot is None:
-            logger.info("no other peer shares a state yet: keeping this peer's own")
-            return False
-        # The first step must see where the collaboration is now: look while the state loads.
-        looked = self.runtime.call(
-            self.tracker.wait_for_update(PROGRESS_LOOK_TIMEOUT), return_future=True
-        )
-        self.load(snapshot, keep_accumulated=False)
-        try:
-            looked.result(PROGRESS_LOOK_TIMEOUT + 1.0)
-        except concurrent.futures.TimeoutError:
-            looked.cancel()  # the step goes on with the last view; the tracker keeps trying
-        logger.info(
-            "downloaded the state of epoch %d from peers in %.1f s",
-            self.life.epoch,
-            time.perf_counter() - started,
-        )
-        return True
+            self.landing.publish_state()  # it was served marked as still moving
 
     # --- auxiliary peers --------------------------------------------------------------------
 

@@ -305,7 +305,7 @@ class Optimizer(torch.optim.Optimizer):
                     "matchmaking_time": self._matchmaking_time,  # (local updates: no rounds)
                 },
             )
-            self._driver.publish_state()
+            self._driver.landing.publish_state()
         except BaseException:  # undo what was started (a bad optimizer factory, bad options)
             if prefetch is not None:
                 prefetch.cancel()
@@ -447,7 +447,7 @@ class Optimizer(torch.optim.Optimizer):
             StateDownloadFailed: peers share a state, but none could provide a verified one
                 within the timeout.
         """
-        return self._driver.load_from_peers(timeout)
+        return self._driver.landing.load_from_peers(timeout)
 
     def share_state(self) -> None:
         """Serve this peer's current state to others and report its epoch, auxiliary or not.
@@ -456,7 +456,7 @@ class Optimizer(torch.optim.Optimizer):
         joiners download it when no training peer has a newer one.
         """
         self.tracker.report_local_progress(self.local_epoch, 0)
-        self._driver.publish_state(even_auxiliary=True)
+        self._driver.landing.publish_state(even_auxiliary=True)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.reuse_grad_buffers:

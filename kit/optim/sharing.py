@@ -22,7 +22,7 @@ statistics; whatever remains is flagged as drift, which parameter averaging remo
 
 A state served while a parameter round runs names that round (``averaging_round``): its delta
 will still move the donor's tensors, and the loader follows it only if it averages in the same
-round (``kit.optim.driver``'s ``load``).
+round (``kit.optim.landing``'s ``load``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The epoch driver carries out the epoch machine's actions with the optimizer's parts.
+"""The epoch driver carries out the epoch machine's actions with the optimizer's parts (and its
+state landing, ``kit.optim.landing``: loads, refreshes, serving).
 
 In-process and fast: a real inner optimizer and accumulator on a tiny model; the tracker, the
 gradient rounds and state sharing are recorders standing in for the DHT and the averager (the
@@ -335,7 +336,7 @@ def test_a_landed_refresh_of_our_epoch_is_loaded_and_clears_drift() -> None:
     backward(driver)
     driver.accumulated.add(8)
     sharing.landed = (True, StateSnapshot.capture(5, {"epoch": 5}, digest=False))
-    driver.apply_refresh()
+    driver.landing.apply_refresh()
     assert sharing.loaded == [5] and driver.life.sync is Sync.IN_SYNC
     assert driver.accumulated.samples == 8  # of our epoch: what we accumulated stays
     assert tracker.reports[-1] == (5, 8) and sharing.published[-1] == (5, False)
@@ -346,7 +347,7 @@ def test_a_refresh_overtaken_by_our_steps_lands_as_a_delta_and_is_fetched_again(
     driver.act(driver.life.fast_forward(5))
     driver.life.epoch_set(7)  # we stepped twice while it travelled
     sharing.landed = (True, StateSnapshot.capture(5, {"epoch": 5}, digest=False))
-    driver.apply_refresh()
+    driver.landing.apply_refresh()
     assert sharing.calls[-2:] == ["delta of 5, 2 late", "refresh from 7"]
     assert sharing.loaded == [] and driver.life.drifted
 
@@ -355,7 +356,7 @@ def test_a_state_download_that_lands_nothing_leaves_the_drift_flag() -> None:
     driver, _, _, sharing, _ = make_driver()
     driver.act(driver.life.fast_forward(5))
     sharing.landed = (True, None)
-    driver.apply_refresh()
+    driver.landing.apply_refresh()
     assert driver.life.refresh is Refresh.IDLE and driver.life.drifted and sharing.loaded == []
 
 
@@ -419,7 +420,8 @@ def with_real_parameter_rounds(driver: EpochDriver) -> tuple[Averager, list[torc
     averager whose rounds the test ends; returns it and its buffers (what a round averaged)."""
     buffers = [torch.zeros_like(p) for p in driver.inner.params]
     averager = Averager(buffers)
-    driver.state_round = DelayedStateAveraging(averager, driver.averaged.add)  # type: ignore[arg-type]
+    state_round = DelayedStateAveraging(averager, driver.averaged.add)  # type: ignore[arg-type]
+    driver.state_round = driver.landing.state_round = state_round  # (both hold the part)
     return averager, buffers
 
 
@@ -476,7 +478,7 @@ def test_a_due_parameter_round_replaces_an_older_one_still_looking_for_its_group
     drifted_global_step(driver, tracker)  # epoch 1's round: nobody came yet
     if rebased:  # we loaded a state whose donor averages in that round
         state = {"epoch": 1, "averaging_round": 1}
-        driver.load(StateSnapshot.capture(1, state, digest=False), keep_accumulated=True)
+        driver.landing.load(StateSnapshot.capture(1, state, digest=False), keep_accumulated=True)
         assert driver.state_round.rebased and not driver.life.drifted
         tracker.others_drift = True  # (so epoch 2's round is due)
     averager.is_looking_for_group = searching
@@ -527,7 +529,7 @@ def test_a_state_loaded_while_a_parameter_round_runs_lands_where_its_donor_does(
     drifted_global_step(driver, tracker)  # our parameters are 0.5 below the initial ones
     sharing.load_tensors = [torch.full_like(p, 7.0) for p in driver.inner.params]
     state = {"epoch": 1, "averaging_round": donor_round}
-    driver.load(StateSnapshot.capture(1, state, digest=False), keep_accumulated=True)
+    driver.landing.load(StateSnapshot.capture(1, state, digest=False), keep_accumulated=True)
     assert driver.life.drifted is (donor_round == 0)
     land(averager, buffers, 3.0 if our_round_averaged else None)  # the donor lands on 3.0
     driver.step(0, None)
@@ -541,10 +543,10 @@ def test_a_settled_state_loaded_after_following_a_round_is_not_drifted_by_it() -
     drifted_global_step(driver, tracker)
     sharing.load_tensors = [torch.full_like(p, 7.0) for p in driver.inner.params]
     pending = {"epoch": 1, "averaging_round": 1}
-    driver.load(StateSnapshot.capture(1, pending, digest=False), keep_accumulated=True)
+    driver.landing.load(StateSnapshot.capture(1, pending, digest=False), keep_accumulated=True)
     sharing.load_tensors = [torch.full_like(p, 5.0) for p in driver.inner.params]
     settled = {"epoch": 1, "averaging_round": None}
-    driver.load(StateSnapshot.capture(1, settled, digest=False), keep_accumulated=True)
+    driver.landing.load(StateSnapshot.capture(1, settled, digest=False), keep_accumulated=True)
     land(averager, buffers, None)  # our round found no group: the settled state stands
     driver.step(0, None)
     assert all(torch.all(p == 5.0) for p in driver.inner.params) and not driver.life.drifted
