@@ -201,6 +201,15 @@ class AllowlistAuthorizer:
             return fetch_revocations(node, self.authority_public_key, run_id)
 
         guard.fetch = fetch
+        guard.fetch_through = node
+
+    def unfollow_dht(self, node: DHTNode) -> None:
+        """``node`` shuts down while its peer may run on (``kit.dht.node`` calls this): stop
+        reading the list through it, until another node of the peer starts. (Otherwise every
+        check warned that it could not read the list, for as long as the peer ran.)"""
+        guard = self._guards.get(node.peer)  # type: ignore[call-overload]
+        if guard is not None and guard.fetch_through is node:
+            guard.fetch = guard.fetch_through = None
 
     def session_guard(self, peer: Peer) -> SessionGuard | None:
         """The guard checking ``peer``'s connections (None if it was not started with it)."""

@@ -6,7 +6,8 @@ at EVERY peer of an allowlisted run, volunteers and coordinator alike (the autho
 with the peer: ``kit.p2p.peer`` calls ``authorizer.attach(peer)``), and every ``period`` seconds:
 
 1. reads the run's signed revocation list from the DHT, when the peer has a DHT node
-   (``kit.dht.node`` calls ``authorizer.follow_dht(node)``), and adopts it if it is newer;
+   (``kit.dht.node`` calls ``authorizer.follow_dht(node)``, and ``unfollow_dht(node)`` when that
+   node shuts down and the peer runs on), and adopts it if it is newer;
 2. renews this peer's own access token when it is due (``refresh_before`` its expiry);
 3. closes every connection whose user or key is banned (GOAWAY ``unauthorized`` with the reason;
    the handshake refuses their new dials with the same list), and every connection whose token
@@ -87,6 +88,7 @@ class SessionGuard:
         self.run_id = peer.options.run_id
         #: Reads the newest revocation list (from the DHT); None until a DHT node is attached.
         self.fetch: Callable[[], Awaitable[RevocationList | None]] | None = None
+        self.fetch_through: object | None = None  # the DHT node ``fetch`` reads through
         self._renewed: dict[PeerID, AccessToken] = {}  # newer tokens that remote peers sent
         self._asking: set[PeerID] = set()
         self.checks = 0  # completed checks (diagnostics, tests)

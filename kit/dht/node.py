@@ -441,10 +441,16 @@ class DHTNode:
             logger.warning("DHT background task failed", exc_info=task.exception())
 
     async def shutdown(self) -> None:
-        """Stop serving and cancel every background task (the peer keeps running)."""
+        """Stop serving (the handlers go) and cancel every background task (the peer keeps
+        running; a new node may start on it)."""
         if not self._running:
             return
         self._running = False
+        unfollow = getattr(getattr(self.peer, "authorizer", None), "unfollow_dht", None)
+        if callable(unfollow):  # the peer's checks stop reading the ban list through us
+            unfollow(self)
+        if not self.client_mode:
+            self.server.stop(self.peer)  # (the peer runs on: a new node of it may serve)
         tasks = [*self._loops, *self._tasks]
         for task in tasks:
             task.cancel()

@@ -76,6 +76,11 @@ class RecordServer:
         peer.add_unary_handler(STORE, self._rpc_store, max_request=DEFAULT_MAX_MESSAGE)
         peer.add_unary_handler(FIND, self._rpc_find, max_request=_SMALL_REQUEST)
 
+    def stop(self, peer: PeerAPI) -> None:
+        """Remove the three handlers from ``peer`` (it may serve a new node of its own later)."""
+        for protocol in (PING, STORE, FIND):
+            peer.remove_handler(protocol)
+
     async def _rpc_ping(self, caller: PeerID, data: bytes) -> bytes:
         self._check_running()
         request = decode(PingRequest, data)

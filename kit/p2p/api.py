@@ -97,6 +97,11 @@ class PeerAPI(Protocol):
         """Serve streams of ``protocol``; the handler owns the stream until it returns."""
         ...
 
+    def remove_handler(self, protocol: str) -> None:
+        """Stop serving ``protocol`` (unary or streams): its new streams are reset as an unknown
+        protocol, and it may be served again. Streams already being served run on."""
+        ...
+
     async def call(
         self,
         peer_id: PeerID,

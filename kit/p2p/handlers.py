@@ -59,6 +59,10 @@ class Handlers:
 
         self.add_stream(protocol, serve)  # type: ignore[arg-type]
 
+    def remove(self, protocol: str) -> None:
+        """Serve ``protocol`` no more (nothing if it has no handler)."""
+        self._stream_handlers.pop(protocol, None)
+
     async def serve(self, stream: Stream) -> None:
         """Run the handler of ``stream``'s protocol on it, then close or reset the stream."""
         handler = self._stream_handlers.get(stream.protocol)

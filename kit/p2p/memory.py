@@ -294,6 +294,10 @@ class MemoryPeer:
     def add_stream_handler(self, protocol: str, handler: StreamHandler) -> None:
         self._streaming[protocol] = handler
 
+    def remove_handler(self, protocol: str) -> None:
+        self._unary.pop(protocol, None)
+        self._streaming.pop(protocol, None)
+
     async def connect(self, address: str, *, timeout: float) -> PeerID:
         peer_id = parse_memory_address(address)
         self.add_address(peer_id, address)

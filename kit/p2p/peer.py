@@ -213,6 +213,9 @@ class Peer:
     ) -> None:
         self.handlers.add_unary(protocol, handler, max_request=max_request)
 
+    def remove_handler(self, protocol: str) -> None:
+        self.handlers.remove(protocol)
+
     async def call(
         self,
         peer_id: PeerID,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -25,16 +26,19 @@ from kit.auth import (
     publish_revocations,
 )
 from kit.dht import DHTConfig, DHTNode, get_dht_time
+from kit.dht.protocol import PING
 from kit.errors import (
     BadSignature,
     ConfigError,
     HandshakeRefused,
     MalformedToken,
     NotAllowlisted,
+    PeerError,
     Revoked,
     TokenExpired,
     TokenMismatch,
     TokenServiceUnavailable,
+    UnknownProtocol,
 )
 from kit.p2p import wire
 from kit.p2p.frame_auth import AuthenticatedChannel
@@ -268,6 +272,50 @@ async def test_a_revoked_user_is_disconnected_and_refused_everywhere() -> None:
             assert alice.connection(run.coordinator.peer_id) is not None  # others unaffected
         finally:
             await alice_node.shutdown()
+            await coordinator_node.shutdown()
+
+
+async def serves_the_dht(caller: Peer, peer_id: PeerID) -> bool:
+    try:
+        await caller.call(peer_id, PING, b"not a ping", timeout=5)
+    except UnknownProtocol:
+        return False
+    except PeerError:  # a handler refused the bytes: it is there
+        return True
+    return True
+
+
+async def test_a_shut_down_dht_node_is_no_longer_read_while_its_peer_runs_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with allowlisted_run() as run:
+        alice = await run.join("alice")
+        seeds = run.coordinator.get_visible_addresses()
+        guard = alice.authorizer.session_guard(alice)  # type: ignore[attr-defined]
+        assert guard is not None and guard.fetch is None  # no DHT node yet
+        coordinator_node = await DHTNode.create(run.coordinator, config=FAST_DHT)
+        first = await DHTNode.create(alice, seeds, config=FAST_DHT)
+        try:
+            assert guard.fetch is not None
+            await first.shutdown()  # (the peer keeps running)
+            assert guard.fetch is None
+            with caplog.at_level(logging.WARNING, logger="kit.auth.sessions"):
+                await guard.check()  # the other checks go on, without a warning about the list
+            assert not [r for r in caplog.records if "revocation list" in r.getMessage()]
+            # A new node of the same peer serves, and is read, in its place; the old one's
+            # late unfollow leaves it alone.
+            second = await DHTNode.create(alice, seeds, config=FAST_DHT)
+            try:
+                assert guard.fetch_through is second
+                alice.authorizer.unfollow_dht(first)  # type: ignore[attr-defined]
+                assert guard.fetch_through is second and guard.fetch is not None
+                assert await serves_the_dht(run.coordinator, alice.peer_id)
+            finally:
+                await second.shutdown()
+            assert guard.fetch is None
+            assert not await serves_the_dht(run.coordinator, alice.peer_id)  # its handlers went
+        finally:
+            await first.shutdown()
             await coordinator_node.shutdown()
 
 

@@ -24,6 +24,7 @@ from kit.errors import (
     RecordTooLarge,
     RemoteError,
     SchemaViolation,
+    UnknownProtocol,
     ValueNotSerializable,
 )
 from kit.p2p.identity import Identity
@@ -421,6 +422,32 @@ def test_background_refresh_and_clean_shutdown(peer_factory: PeerFactory) -> Non
             assert all(task.done() for task in tasks)
             with pytest.raises(DHTNotRunning, match="help:"):
                 await node.get("anything")
+
+    run(scenario())
+
+
+def test_a_peer_that_outlives_its_dht_node_stops_serving_and_may_start_another(
+    peer_factory: PeerFactory,
+) -> None:
+    async def scenario() -> None:
+        seed_peer, peer = await peer_factory(), await peer_factory()
+        seed = await DHTNode.create(seed_peer, config=FAST)
+        seeds = seed_peer.get_visible_addresses()
+        first = await DHTNode.create(peer, seeds, config=FAST)
+        try:
+            await first.shutdown()  # the peer runs on
+            with pytest.raises(UnknownProtocol):  # its handlers went with the node
+                await seed_peer.call(peer.peer_id, STORE, b"not a store", timeout=5)
+            second = await DHTNode.create(peer, seeds, config=FAST)  # the protocols are free
+            try:
+                assert await second.store("again", 1, get_dht_time() + 10)
+                assert (await seed.get("again", latest=True)) is not None
+            finally:
+                await second.shutdown()
+        finally:
+            await seed.shutdown()
+            for each in (peer, seed_peer):
+                await stop_peer(each)
 
     run(scenario())
 
