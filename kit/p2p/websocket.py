@@ -418,6 +418,11 @@ class FastWebSocketChannel(asyncio.BufferedProtocol):
             self._message_ready.set()
             if len(messages) > 64:
                 self._transport.pause_reading()  # the connection's reader is behind: push back
+        elif receiver is not None and self._read_error is None and not self._transport.is_reading():
+            # A backlog that paused the reading before the receiver took over is handled: read
+            # on (recv(), which resumes otherwise, never takes a message once a receiver is set:
+            # the peer's next frames and its EOF went unread until the keepalive gave up).
+            self._transport.resume_reading()
 
     def eof_received(self) -> bool:
         self._peer_closed.set()

@@ -142,6 +142,60 @@ async def test_takeover_of_a_closed_transport_leaves_no_task_behind() -> None:
     await server.wait_closed()
 
 
+class _Accepted(asyncio.Protocol):
+    """Holds a server-side transport (reading paused) for a channel to take over."""
+
+    def __init__(self, accepted: asyncio.Future[asyncio.Transport]) -> None:
+        self.accepted = accepted
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.pause_reading()  # type: ignore[attr-defined]
+        self.accepted.set_result(transport)  # type: ignore[arg-type]
+
+
+@pytest.mark.sockets
+async def test_a_backlog_from_before_the_receiver_took_over_does_not_stop_the_reading() -> None:
+    """Found by tests/p2p/test_fuzz.py (a peer that never hung up after our EOF): over 64
+    messages parsed before the connection's reader set its receiver paused the reading, and
+    only recv(), which a receiver never lets take a message, resumed it; the peer's next
+    frames and its EOF went unread until the keepalive gave up."""
+    loop = asyncio.get_running_loop()
+    accepted: asyncio.Future[asyncio.Transport] = loop.create_future()
+    server = await loop.create_server(lambda: _Accepted(accepted), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    _, writer = await asyncio.open_connection("127.0.0.1", port)
+    channel = FastWebSocketChannel(
+        await asyncio.wait_for(accepted, 5),
+        is_client=False,
+        remote_address="test",
+        remote_host=None,
+        max_size=1024,
+        keepalive_interval=60.0,
+        keepalive_timeout=60.0,
+    )
+    try:
+        # the burst that arrived before the takeover, as a punched socket hands it over
+        channel.feed(b"".join(websockets_frame(Opcode.BINARY, b"m%d" % i) for i in range(100)))
+        got: list[bytes] = []
+        channel.set_receiver(lambda message: got.append(bytes(message)))
+        assert len(got) == 100
+        writer.write(websockets_frame(Opcode.BINARY, b"after"))
+        await writer.drain()
+        for _ in range(200):  # at most 2 s
+            if got[-1] == b"after":
+                break
+            await asyncio.sleep(0.01)
+        assert got[-1] == b"after"
+        writer.write_eof()  # and the peer's EOF ends the channel
+        with pytest.raises(ConnectionLost):
+            await asyncio.wait_for(channel.recv(), 5)
+    finally:
+        writer.close()
+        await channel.close()
+        server.close()
+        await server.wait_closed()
+
+
 def test_a_declared_frame_costs_memory_only_as_its_bytes_arrive() -> None:
     """A frame header declaring 8 MiB, then silence: the buffer is there, but untouched pages
     are not resident. Zero-filled (bytearray) buffers made 16 such connections cost 128 MiB
