@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import struct
+from typing import Any
 
 import numpy as np
 import pytest
@@ -115,6 +116,19 @@ def test_ping_pong_opcodes() -> None:
     assert (OP_PING, OP_PONG) == (0x9, 0xA)
 
 
+def listener_channel(transport: Any) -> FastWebSocketChannel:
+    """The listening side's channel over ``transport`` (small frames; no keepalive in a test)."""
+    return FastWebSocketChannel(
+        transport,
+        is_client=False,
+        remote_address="test",
+        remote_host=None,
+        max_size=1024,
+        keepalive_interval=60.0,
+        keepalive_timeout=60.0,
+    )
+
+
 @pytest.mark.sockets
 async def test_takeover_of_a_closed_transport_leaves_no_task_behind() -> None:
     """Found by tests/p2p/test_fuzz.py: a dialer that sends its HELLO and hangs up at once left
@@ -128,15 +142,7 @@ async def test_takeover_of_a_closed_transport_leaves_no_task_behind() -> None:
     transport.close()
     before = asyncio.all_tasks()
     with pytest.raises(ConnectionLost, match="closed before the takeover"):
-        FastWebSocketChannel(
-            transport,
-            is_client=False,
-            remote_address="test",
-            remote_host=None,
-            max_size=1024,
-            keepalive_interval=20.0,
-            keepalive_timeout=20.0,
-        )
+        listener_channel(transport)
     assert asyncio.all_tasks() == before  # no keepalive task was started
     server.close()
     await server.wait_closed()
@@ -164,15 +170,7 @@ async def test_a_backlog_from_before_the_receiver_took_over_does_not_stop_the_re
     server = await loop.create_server(lambda: _Accepted(accepted), "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     _, writer = await asyncio.open_connection("127.0.0.1", port)
-    channel = FastWebSocketChannel(
-        await asyncio.wait_for(accepted, 5),
-        is_client=False,
-        remote_address="test",
-        remote_host=None,
-        max_size=1024,
-        keepalive_interval=60.0,
-        keepalive_timeout=60.0,
-    )
+    channel = listener_channel(await asyncio.wait_for(accepted, 5))
     try:
         # the burst that arrived before the takeover, as a punched socket hands it over
         channel.feed(b"".join(websockets_frame(Opcode.BINARY, b"m%d" % i) for i in range(100)))
